@@ -1,0 +1,89 @@
+"""The device layer under the sleep-mode allocator: our VMM extension plus torch.
+
+`VmmDriver` is everything `allocator.TaggedMemoryManager` needs from the GPU:
+map/unmap through `vllm_graph_sleep._cumem`, byte views of device memory, pinned
+host buffers, synchronisation and a MemPool on the pluggable allocator. CPU tests
+replace it with a faithful fake (tests/unit/fake_vmm.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_CUDA_DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def _load_extension() -> Any:
+    if torch.version.hip is None:
+        # The CUDA build leaves driver symbols to be resolved at load time (see
+        # CMakeLists.txt), so the driver library must be globally visible first.
+        try:
+            ctypes.CDLL(_CUDA_DRIVER_LIBRARY, mode=ctypes.RTLD_GLOBAL)
+        except OSError as error:
+            raise RuntimeError(
+                f"vllm_graph_sleep needs the NVIDIA driver library {_CUDA_DRIVER_LIBRARY}: {error}"
+            ) from error
+    return importlib.import_module("vllm_graph_sleep._cumem")
+
+
+class _DeviceRange:
+    """Exposes raw device memory through __cuda_array_interface__ (no sync)."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+class VmmDriver:
+    """GPU implementation of the device operations the manager relies on."""
+
+    def __init__(self) -> None:
+        self._ext = _load_extension()
+        self._pluggable: torch.cuda.memory.CUDAPluggableAllocator | None = None
+
+    def register_callbacks(
+        self,
+        on_malloc: Callable[[int, int, int, int], None],
+        on_free: Callable[[int], tuple[int, int, bool]],
+    ) -> None:
+        self._ext.register_callbacks(on_malloc, on_free)
+
+    def create_and_map(self, device: int, size: int, address: int, handle: int) -> None:
+        self._ext.create_and_map(device, size, address, handle)
+
+    def unmap_and_release(self, device: int, size: int, address: int, handle: int) -> None:
+        self._ext.unmap_and_release(device, size, address, handle)
+
+    def last_error(self) -> str:
+        return self._ext.last_error()
+
+    def library_path(self) -> str:
+        return self._ext.__file__
+
+    def memory_pool(self) -> torch.cuda.MemPool:
+        if self._pluggable is None:
+            self._pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+                self.library_path(), "my_malloc", "my_free"
+            )
+        return torch.cuda.MemPool(self._pluggable.allocator())
+
+    def device_bytes(self, device: int, address: int, size: int) -> torch.Tensor:
+        return torch.as_tensor(_DeviceRange(address, size), device=torch.device("cuda", device))
+
+    def host_buffer(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def synchronize(self, device: int) -> None:
+        torch.cuda.synchronize(device)
+
+    def is_rocm(self) -> bool:
+        return torch.version.hip is not None

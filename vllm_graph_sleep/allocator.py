@@ -1,0 +1,388 @@
+"""Tagged sleep-mode memory: one manager per process.
+
+`GraphSleepAllocator` implements vLLM 0.26's `MemAllocator` protocol
+(`use_memory_pool`, `sleep`, `wake_up`, `get_current_usage`) on our own VMM
+allocator, plus `discard` and `cudagraph_pool`, a MemPool whose allocations carry
+the tag "cudagraph" so that captured CUDA/HIP graphs can sleep with everything
+else and replay after wake at the same addresses.
+
+Rules it keeps:
+- sleep backs the offloaded tags up to pinned host memory and drops the rest;
+  an allocation that is already asleep is left alone (no double unmap);
+- wake maps only sleeping allocations (no double map); besides the tags it is
+  asked for it always brings back every tag that is not deferrable (only
+  "weights" and "kv_cache" may stay asleep), graph pool first;
+- a wake that fails part-way unmaps what it mapped, keeps every host backup and
+  raises: the allocator stays asleep and the wake can be retried;
+- on ROCm, memory that comes back without a backup is zeroed and the device
+  synchronized before wake returns (amdgpu can hand back stale VRAM,
+  vllm-project/vllm#44972); CUDA does not zero unless asked to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from vllm_graph_sleep.alloc_conf import expandable_segments_off
+
+logger = logging.getLogger("vllm.graph_sleep")
+
+DEFAULT_TAG = "default"
+WEIGHTS_TAG = "weights"
+KV_CACHE_TAG = "kv_cache"
+GRAPH_TAG = "cudagraph"
+# Tags a wake may leave asleep; every other tag returns on any wake.
+DEFERRABLE_TAGS = (WEIGHTS_TAG, KV_CACHE_TAG)
+BUILTIN_TAGS = (DEFAULT_TAG, WEIGHTS_TAG, KV_CACHE_TAG, GRAPH_TAG)
+
+ZERO_ON_WAKE_ENV = "VLLM_GRAPH_SLEEP_ZERO_ON_WAKE"
+RELEASE_HOST_MEMORY_ENV = "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"
+
+
+class WakeUpError(RuntimeError):
+    """A wake that could not get its memory back; nothing was woken."""
+
+
+@dataclasses.dataclass
+class Allocation:
+    device: int
+    size: int
+    address: int
+    handle: int
+    tag: str
+    mapped: bool = True
+    # Pinned host buffer. Kept across cycles unless host memory is released.
+    host: torch.Tensor | None = None
+    has_backup: bool = False
+
+
+def _env_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def format_bytes(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} B"
+
+
+def _describe(per_tag: dict[str, int]) -> str:
+    if not per_tag:
+        return "nothing"
+    return ", ".join(f"{tag} {format_bytes(size)}" for tag, size in sorted(per_tag.items()))
+
+
+def _add(per_tag: dict[str, int], tag: str, size: int) -> None:
+    per_tag[tag] = per_tag.get(tag, 0) + size
+
+
+class GraphSleepAllocator:
+    """Process-wide owner of all sleep-mode memory (see module docstring)."""
+
+    _instance: GraphSleepAllocator | None = None
+
+    @classmethod
+    def get_instance(cls) -> GraphSleepAllocator:
+        if cls._instance is None:
+            from vllm_graph_sleep._native import VmmDriver
+
+            cls._instance = cls(VmmDriver())
+        return cls._instance
+
+    def __init__(
+        self,
+        driver: Any,
+        *,
+        zero_on_wake: bool | None = None,
+        release_host_memory: bool | None = None,
+    ):
+        self._driver = driver
+        self.allocations: dict[int, Allocation] = {}
+        self.current_tag = DEFAULT_TAG
+        self._known_tags: set[str] = set(BUILTIN_TAGS)
+        # MemPools stay referenced for the life of the process: dropping one
+        # while its blocks are cached would hand them back mid-run.
+        self._pools: list[torch.cuda.MemPool] = []
+        self._graph_pool: torch.cuda.MemPool | None = None
+        if zero_on_wake is None:
+            zero_on_wake = _env_flag(ZERO_ON_WAKE_ENV)
+        self.zero_on_wake = driver.is_rocm() if zero_on_wake is None else zero_on_wake
+        if release_host_memory is None:
+            release_host_memory = bool(_env_flag(RELEASE_HOST_MEMORY_ENV))
+        self.release_host_memory = release_host_memory
+        # Bound methods are stored so the extension's references stay valid.
+        self._on_malloc_cb = self._on_malloc
+        self._on_free_cb = self._on_free
+        driver.register_callbacks(self._on_malloc_cb, self._on_free_cb)
+
+    # -- callbacks from the extension ------------------------------------
+
+    def _on_malloc(self, device: int, size: int, address: int, handle: int) -> None:
+        self.allocations[address] = Allocation(device, size, address, handle, self.current_tag)
+
+    def _on_free(self, address: int) -> tuple[int, int, bool]:
+        allocation = self.allocations.pop(address)
+        if allocation.mapped:
+            # The caching allocator may hand a block back while kernels queued
+            # on other streams still use it; unmapping then would fault them.
+            self._driver.synchronize(allocation.device)
+        allocation.host = None
+        return allocation.size, allocation.handle, allocation.mapped
+
+    # -- pools -------------------------------------------------------------
+
+    @contextmanager
+    def _tagged(self, tag: str) -> Iterator[None]:
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"a memory tag must be a non-empty string, not {tag!r}")
+        self._known_tags.add(tag)
+        previous, self.current_tag = self.current_tag, tag
+        try:
+            yield
+        finally:
+            self.current_tag = previous
+
+    @contextmanager
+    def use_memory_pool(self, tag: str | None = None) -> Iterator[torch.cuda.MemPool]:
+        """Allocations made inside come from a new pool of ours, tagged `tag`."""
+        with self._tagged(tag or DEFAULT_TAG), expandable_segments_off():
+            pool = self._driver.memory_pool()
+            self._pools.append(pool)
+            with torch.cuda.use_mem_pool(pool):
+                yield pool
+
+    @contextmanager
+    def cudagraph_pool(self) -> Iterator[torch.cuda.MemPool]:
+        """The process's graph pool: capture with `pool=<yielded>.id` inside.
+
+        Graph-private allocations made while the context is open are tagged
+        "cudagraph"; the same pool is yielded every time so all graphs share it.
+        """
+        with self._tagged(GRAPH_TAG), expandable_segments_off():
+            if self._graph_pool is None:
+                self._graph_pool = self._driver.memory_pool()
+            yield self._graph_pool
+
+    # -- queries -----------------------------------------------------------
+
+    def get_current_usage(self) -> int:
+        """Bytes of every allocation we own, awake or asleep (vLLM's meaning)."""
+        return sum(allocation.size for allocation in self.allocations.values())
+
+    def mapped_bytes(self, tag: str | None = None) -> int:
+        return sum(
+            allocation.size
+            for allocation in self.allocations.values()
+            if allocation.mapped and (tag is None or allocation.tag == tag)
+        )
+
+    def usage_by_tag(self) -> dict[str, dict[str, int]]:
+        """Per tag: bytes mapped, asleep with a host backup, asleep without."""
+        usage: dict[str, dict[str, int]] = {}
+        for allocation in self.allocations.values():
+            entry = usage.setdefault(allocation.tag, {"mapped": 0, "backed_up": 0, "dropped": 0})
+            if allocation.mapped:
+                entry["mapped"] += allocation.size
+            elif allocation.has_backup:
+                entry["backed_up"] += allocation.size
+            else:
+                entry["dropped"] += allocation.size
+        return usage
+
+    def host_bytes(self) -> int:
+        return sum(
+            allocation.size for allocation in self.allocations.values() if allocation.host is not None
+        )
+
+    # -- sleep / wake / discard -------------------------------------------
+
+    def _check_tags(self, tags: Iterable[str], what: str) -> tuple[str, ...]:
+        checked = tuple(tags)
+        unknown = [tag for tag in checked if not isinstance(tag, str) or tag not in self._known_tags]
+        if unknown:
+            raise ValueError(
+                f"{what}: unknown memory tag(s) {unknown}; known tags: {sorted(self._known_tags)}"
+            )
+        return checked
+
+    def _normalize(self, tags: tuple[str, ...] | list[str] | str | None, what: str) -> tuple:
+        if isinstance(tags, str):
+            tags = (tags,)
+        return self._check_tags(tags or (), what)
+
+    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
+        """Backs up `offload_tags` (default: "default") to host, drops the rest."""
+        if offload_tags is None:
+            offload_tags = (DEFAULT_TAG,)
+        offload = self._normalize(offload_tags, "sleep")
+        start = time.perf_counter()
+        awake = [allocation for allocation in self.allocations.values() if allocation.mapped]
+        devices = {allocation.device for allocation in awake}
+        for device in devices:
+            self._driver.synchronize(device)
+
+        kept: dict[str, int] = {}
+        dropped: dict[str, int] = {}
+        to_back_up = [allocation for allocation in awake if allocation.tag in offload]
+        for allocation in to_back_up:
+            if allocation.host is None:
+                allocation.host = self._driver.host_buffer(allocation.size)
+            allocation.host.copy_(self._device_bytes(allocation), non_blocking=True)
+        for device in devices:
+            self._driver.synchronize(device)
+        for allocation in to_back_up:
+            allocation.has_backup = True
+
+        for allocation in awake:
+            self._driver.unmap_and_release(*self._handle(allocation))
+            allocation.mapped = False
+            if allocation.has_backup:
+                _add(kept, allocation.tag, allocation.size)
+            else:
+                allocation.host = None
+                _add(dropped, allocation.tag, allocation.size)
+
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+        logger.info(
+            "graph-sleep sleep: backed up %s; dropped %s; %.3f s",
+            _describe(kept),
+            _describe(dropped),
+            time.perf_counter() - start,
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Maps back the sleeping allocations of `tags` (None: all) and of every
+        non-deferrable tag, restoring host backups. On failure nothing is woken
+        and `WakeUpError` is raised; the call can be retried."""
+        requested = None if tags is None else self._normalize(tags, "wake_up")
+        start = time.perf_counter()
+
+        def wanted(allocation: Allocation) -> bool:
+            return (
+                requested is None
+                or allocation.tag in requested
+                or allocation.tag not in DEFERRABLE_TAGS
+            )
+
+        targets = [a for a in self.allocations.values() if not a.mapped and wanted(a)]
+        # Graph pool and other internal tags first: they are what replays need.
+        targets.sort(key=lambda a: (a.tag in DEFERRABLE_TAGS, a.tag != GRAPH_TAG))
+        if not targets:
+            logger.info("graph-sleep wake_up(tags=%s): nothing asleep to wake", tags)
+            return
+
+        # Return cached but unused blocks of torch's own pools to the driver
+        # first: they may be exactly what we need to map.
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+        mapped: list[Allocation] = []
+        try:
+            for allocation in targets:
+                self._driver.create_and_map(*self._handle(allocation))
+                mapped.append(allocation)
+            restored, fresh = self._fill(mapped)
+        except Exception as error:
+            self._roll_back(mapped)
+            still = sum(a.size for a in targets)
+            raise WakeUpError(
+                f"wake_up(tags={tags}) failed after mapping {len(mapped)} of {len(targets)} "
+                f"allocations ({format_bytes(still)} wanted): {error}. Everything it mapped was "
+                "released again and all host backups are intact; free device memory held "
+                "elsewhere and retry."
+            ) from error
+
+        for allocation in mapped:
+            allocation.mapped = True
+            allocation.has_backup = False
+            if self.release_host_memory:
+                allocation.host = None
+        still_asleep: dict[str, int] = {}
+        for allocation in self.allocations.values():
+            if not allocation.mapped:
+                _add(still_asleep, allocation.tag, allocation.size)
+        logger.info(
+            "graph-sleep wake_up(tags=%s): restored from host %s; remapped without backup %s%s; "
+            "still asleep %s; %.3f s",
+            tags,
+            _describe(restored),
+            _describe(fresh),
+            " (zeroed)" if self.zero_on_wake and fresh else "",
+            _describe(still_asleep),
+            time.perf_counter() - start,
+        )
+
+    def _fill(self, mapped: list[Allocation]) -> tuple[dict[str, int], dict[str, int]]:
+        """Copies backups into freshly mapped memory and zeroes the rest when
+        asked; returns bytes per tag restored and remapped without backup."""
+        restored: dict[str, int] = {}
+        fresh: dict[str, int] = {}
+        for allocation in mapped:
+            if allocation.has_backup:
+                self._device_bytes(allocation).copy_(allocation.host, non_blocking=True)
+                _add(restored, allocation.tag, allocation.size)
+            else:
+                if self.zero_on_wake:
+                    self._device_bytes(allocation).zero_()
+                _add(fresh, allocation.tag, allocation.size)
+        for device in {allocation.device for allocation in mapped}:
+            self._driver.synchronize(device)
+        return restored, fresh
+
+    def _roll_back(self, mapped: list[Allocation]) -> None:
+        for allocation in reversed(mapped):
+            try:
+                self._driver.unmap_and_release(*self._handle(allocation))
+            except Exception:
+                logger.exception(
+                    "graph-sleep: rollback could not unmap %#x (%s); it stays mapped",
+                    allocation.address,
+                    format_bytes(allocation.size),
+                )
+                allocation.mapped = True
+                allocation.has_backup = False
+
+    def discard(self, tags: tuple[str, ...] | list[str] | str) -> int:
+        """Releases the memory of `tags` without any backup; returns bytes freed.
+
+        Awake allocations are unmapped; sleeping ones lose their host backup, so
+        they come back with undefined contents (zeroed on ROCm)."""
+        selected = self._normalize(tags, "discard")
+        freed = 0
+        for allocation in self.allocations.values():
+            if allocation.tag not in selected:
+                continue
+            if allocation.mapped:
+                self._driver.synchronize(allocation.device)
+                self._driver.unmap_and_release(*self._handle(allocation))
+                allocation.mapped = False
+                freed += allocation.size
+            allocation.host = None
+            allocation.has_backup = False
+        logger.info("graph-sleep discard(%s): released %s", list(selected), format_bytes(freed))
+        return freed
+
+    # -- helpers -------------------------------------------------------------
+
+    @staticmethod
+    def _handle(allocation: Allocation) -> tuple[int, int, int, int]:
+        return allocation.device, allocation.size, allocation.address, allocation.handle
+
+    def _device_bytes(self, allocation: Allocation) -> torch.Tensor:
+        return self._driver.device_bytes(allocation.device, allocation.address, allocation.size)
