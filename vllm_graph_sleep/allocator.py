@@ -145,7 +145,8 @@ class GraphSleepAllocator:
     # -- pools -------------------------------------------------------------
 
     @contextmanager
-    def _tagged(self, tag: str) -> Iterator[None]:
+    def allocation_tag(self, tag: str) -> Iterator[None]:
+        """Allocations our allocator makes inside are tagged `tag` (no new pool)."""
         if not isinstance(tag, str) or not tag:
             raise ValueError(f"a memory tag must be a non-empty string, not {tag!r}")
         self._known_tags.add(tag)
@@ -158,7 +159,7 @@ class GraphSleepAllocator:
     @contextmanager
     def use_memory_pool(self, tag: str | None = None) -> Iterator[torch.cuda.MemPool]:
         """Allocations made inside come from a new pool of ours, tagged `tag`."""
-        with self._tagged(tag or DEFAULT_TAG), expandable_segments_off():
+        with self.allocation_tag(tag or DEFAULT_TAG), expandable_segments_off():
             pool = self._driver.memory_pool()
             self._pools.append(pool)
             with torch.cuda.use_mem_pool(pool):
@@ -171,7 +172,7 @@ class GraphSleepAllocator:
         Graph-private allocations made while the context is open are tagged
         "cudagraph"; the same pool is yielded every time so all graphs share it.
         """
-        with self._tagged(GRAPH_TAG), expandable_segments_off():
+        with self.allocation_tag(GRAPH_TAG), expandable_segments_off():
             if self._graph_pool is None:
                 self._graph_pool = self._driver.memory_pool()
             yield self._graph_pool
@@ -203,15 +204,13 @@ class GraphSleepAllocator:
         return usage
 
     def host_bytes(self) -> int:
-        return sum(
-            allocation.size for allocation in self.allocations.values() if allocation.host is not None
-        )
+        return sum(a.size for a in self.allocations.values() if a.host is not None)
 
     # -- sleep / wake / discard -------------------------------------------
 
     def _check_tags(self, tags: Iterable[str], what: str) -> tuple[str, ...]:
         checked = tuple(tags)
-        unknown = [tag for tag in checked if not isinstance(tag, str) or tag not in self._known_tags]
+        unknown = [t for t in checked if not isinstance(t, str) or t not in self._known_tags]
         if unknown:
             raise ValueError(
                 f"{what}: unknown memory tag(s) {unknown}; known tags: {sorted(self._known_tags)}"

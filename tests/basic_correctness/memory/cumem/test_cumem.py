@@ -1,0 +1,353 @@
+"""The allocator on a real GPU: one fresh process per test.
+
+Memory is checked two ways: the allocator's own bookkeeping (exact) and the
+driver's free memory / NVML (what another process can really use).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from tests.utils import cuda_only, fresh_process, requires_gpu
+from vllm_graph_sleep.allocator import GRAPH_TAG, GraphSleepAllocator, WakeUpError
+
+pytestmark = requires_gpu
+
+MIB = 1 << 20
+GIB = 1 << 30
+POISON = 0xA5
+
+
+def manager() -> GraphSleepAllocator:
+    return GraphSleepAllocator.get_instance()
+
+
+def nvml_used_bytes() -> int | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def cudart() -> ctypes.CDLL:
+    """The CUDA runtime torch already loaded (no second copy)."""
+    torch.cuda.init()
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    if not paths:
+        pytest.skip("torch's libcudart is not loaded as a shared library")
+    return ctypes.CDLL(sorted(paths)[0])
+
+
+@contextmanager
+def poisoned_remaps(alloc: GraphSleepAllocator, value: int = POISON):
+    """Fills every freshly mapped range with `value` before wake continues, so
+    that dropped memory cannot come back right by luck."""
+    driver = alloc._driver
+    original = driver.create_and_map
+
+    def create_map_and_poison(device, size, address, handle):
+        original(device, size, address, handle)
+        driver.device_bytes(device, address, size).fill_(value)
+        torch.cuda.synchronize(device)
+
+    driver.create_and_map = create_map_and_poison
+    try:
+        yield
+    finally:
+        driver.create_and_map = original
+
+
+def entries(alloc: GraphSleepAllocator, tag: str) -> dict[int, int]:
+    return {a.address: a.size for a in alloc.allocations.values() if a.tag == tag and a.mapped}
+
+
+@fresh_process
+def test_sleep_frees_memory_for_real_and_another_process_can_use_it():
+    alloc = manager()
+    torch.cuda.init()
+    free_before_alloc, _ = torch.cuda.mem_get_info()
+    pool_bytes = free_before_alloc - 6 * GIB
+    with alloc.use_memory_pool("kv_cache"):
+        kv = torch.empty(pool_bytes, dtype=torch.uint8, device="cuda")
+    kv[:MIB].fill_(1)
+    mapped = alloc.mapped_bytes()
+    assert mapped >= pool_bytes
+
+    free_awake, _ = torch.cuda.mem_get_info()
+    nvml_awake = nvml_used_bytes()
+    alloc.sleep(offload_tags=())
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert alloc.mapped_bytes() == 0
+    assert free_asleep - free_awake >= mapped
+    if nvml_awake is not None:
+        assert nvml_awake - nvml_used_bytes() >= mapped
+
+    # Without the release another process could not get even a tenth of this.
+    want = int(pool_bytes * 0.9)
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import torch; x = torch.ones({want}, dtype=torch.uint8, device='cuda'); "
+            "print(int(x.sum()))",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert int(child.stdout.strip()) == want
+
+    alloc.wake_up()
+    assert alloc.mapped_bytes() == mapped
+    kv[:MIB].fill_(2)
+    assert int(kv[:MIB].sum()) == 2 * MIB
+
+
+@fresh_process
+def test_offloaded_tags_come_back_bit_exact_at_the_same_addresses():
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        weights = torch.randint(0, 255, (256 * MIB,), dtype=torch.uint8, device="cuda")
+    with alloc.use_memory_pool("runtime"):
+        runtime = torch.randn(1 << 20, device="cuda")
+    with alloc.use_memory_pool("kv_cache"):
+        torch.empty(512 * MIB, dtype=torch.uint8, device="cuda")
+    expected_weights, expected_runtime = weights.clone(), runtime.clone()  # outside any pool
+    pointers = (weights.data_ptr(), runtime.data_ptr())
+
+    for _ in range(3):
+        alloc.sleep(offload_tags=("weights", "runtime"))
+        assert alloc.mapped_bytes() == 0
+        with poisoned_remaps(alloc):
+            alloc.wake_up()
+        assert (weights.data_ptr(), runtime.data_ptr()) == pointers
+        assert torch.equal(weights, expected_weights)
+        assert torch.equal(runtime, expected_runtime)
+
+
+def capture_into_graph_pool(alloc, weight, x, with_capture_time_state):
+    """Captures out = relu(x @ weight) * 2 (+ bias) into the cudagraph pool.
+
+    With `with_capture_time_state`, `bias` is allocated during capture but only
+    written after it: replays read it without writing it, so it needs a backup.
+    """
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.relu(x @ weight)  # warm up cuBLAS outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    bias = None
+    with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id):
+        out = torch.relu(x @ weight) * 2
+        if with_capture_time_state:
+            bias = torch.empty_like(out)
+            out = out + bias
+    if bias is not None:
+        bias.fill_(0.5)
+    return graph, out
+
+
+def expected_output(x, weight, with_capture_time_state):
+    out = torch.relu(x @ weight) * 2
+    return out + 0.5 if with_capture_time_state else out
+
+
+@fresh_process
+def test_graph_pool_is_backed_up_and_replays_after_any_wake():
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        weight = torch.randn(1024, 1024, device="cuda")
+    reference_weight = weight.clone()
+    x = torch.randn(64, 1024, device="cuda")
+    graph, out = capture_into_graph_pool(alloc, weight, x, with_capture_time_state=True)
+    graph_entries = entries(alloc, GRAPH_TAG)
+    assert sum(graph_entries.values()) > 0
+
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    expected = expected_output(x, weight, True)
+    assert torch.equal(out, expected)
+
+    # Full wake.
+    alloc.sleep(offload_tags=("weights", GRAPH_TAG))
+    assert alloc.mapped_bytes() == 0
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    graph.replay()
+    assert torch.equal(out, expected)
+
+    # A wake naming only kv_cache brings the graph pool back, in place.
+    alloc.sleep(offload_tags=("weights", GRAPH_TAG))
+    with poisoned_remaps(alloc):
+        alloc.wake_up(["kv_cache"])
+    assert entries(alloc, GRAPH_TAG) == graph_entries
+    assert alloc.mapped_bytes("weights") == 0
+    with poisoned_remaps(alloc):
+        alloc.wake_up(["weights"])
+    assert torch.equal(weight, reference_weight)
+    graph.replay()
+    assert torch.equal(out, expected)
+
+
+@fresh_process
+def test_dropped_graph_pool_replays_when_the_graph_writes_all_it_reads():
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        weight = torch.randn(1024, 1024, device="cuda")
+    x = torch.randn(64, 1024, device="cuda")
+    graph, out = capture_into_graph_pool(alloc, weight, x, with_capture_time_state=False)
+    graph.replay()
+    expected = expected_output(x, weight, False)
+    assert torch.equal(out, expected)
+
+    for _ in range(3):
+        alloc.sleep(offload_tags=("weights",))  # the graph pool is dropped
+        assert alloc.usage_by_tag()[GRAPH_TAG]["dropped"] > 0
+        with poisoned_remaps(alloc):
+            alloc.wake_up()
+        assert bool((out.view(torch.uint8) == POISON).all())
+        graph.replay()
+        assert torch.equal(out, expected)
+
+
+@fresh_process
+def test_plain_capture_without_our_pool_is_unaffected():
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        weight = torch.randn(1024, 1024, device="cuda")
+    x = torch.randn(64, 1024, device="cuda")
+    torch.relu(x @ weight)
+    ours_before = set(alloc.allocations)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.relu(x @ weight) * 2
+    assert set(alloc.allocations) == ours_before
+    assert not entries(alloc, GRAPH_TAG)
+
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up()
+    graph.replay()
+    assert torch.equal(out, torch.relu(x @ weight) * 2)
+
+
+@pytest.mark.parametrize("zero_on_wake", [True, False], ids=["zeroing", "no-zeroing"])
+@fresh_process
+def test_poisoned_remap_reads_zero_only_when_zeroing(zero_on_wake):
+    alloc = manager()
+    alloc.zero_on_wake = zero_on_wake
+    with alloc.use_memory_pool("weights"):
+        backed = torch.full((8 * MIB,), 7, dtype=torch.uint8, device="cuda")
+    with alloc.use_memory_pool("kv_cache"):
+        dropped = torch.full((8 * MIB,), 7, dtype=torch.uint8, device="cuda")
+    alloc.sleep(offload_tags=("weights",))
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    assert bool((backed == 7).all())
+    assert bool((dropped == (0 if zero_on_wake else POISON)).all())
+
+
+@cuda_only
+@fresh_process
+def test_a_memset_in_the_mapping_path_breaks_capture():
+    """Why create_and_map must never memset: a blocking memset issued while a
+    graph captures into our pool invalidates the capture."""
+    alloc = manager()
+    runtime = cudart()
+    runtime.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    codes = []
+
+    def malloc_then_memset(device, size, address, handle):
+        alloc._on_malloc(device, size, address, handle)
+        codes.append(runtime.cudaMemset(ctypes.c_void_p(address), 0, ctypes.c_size_t(size)))
+
+    x = torch.randn(256, 256, device="cuda")
+    torch.relu(x @ x)
+    alloc._driver.register_callbacks(malloc_then_memset, alloc._on_free)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="captur"):
+        with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id):
+            torch.relu(x @ x)
+    assert codes and all(code != 0 for code in codes)
+
+
+@cuda_only
+@fresh_process
+def test_legacy_ipc_export_of_pool_memory_fails():
+    """Why custom all-reduce must not register graph buffers from our pool."""
+    alloc = manager()
+    runtime = cudart()
+    runtime.cudaIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    with alloc.use_memory_pool("weights"):
+        ours = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+    plain = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+    handle = ctypes.create_string_buffer(64)
+    assert runtime.cudaIpcGetMemHandle(handle, ctypes.c_void_p(plain.data_ptr())) == 0
+    assert runtime.cudaIpcGetMemHandle(handle, ctypes.c_void_p(ours.data_ptr())) != 0
+
+
+@fresh_process
+def test_wake_while_memory_is_held_elsewhere_rolls_back_and_retries():
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        weights = torch.randint(0, 255, (512 * MIB,), dtype=torch.uint8, device="cuda")
+    expected = weights.clone()
+    free_now, _ = torch.cuda.mem_get_info()
+    with alloc.use_memory_pool("kv_cache"):
+        kv = torch.empty(free_now - 8 * GIB, dtype=torch.uint8, device="cuda")
+    alloc.sleep(offload_tags=("weights",))
+
+    free_asleep, _ = torch.cuda.mem_get_info()
+    blocker = torch.empty(free_asleep - 4 * GIB, dtype=torch.uint8, device="cuda")
+    free_blocked, _ = torch.cuda.mem_get_info()
+    with pytest.raises(WakeUpError, match="out of memory") as raised:
+        alloc.wake_up()
+    assert isinstance(raised.value, RuntimeError)
+    assert alloc.mapped_bytes() == 0
+    assert alloc.usage_by_tag()["weights"]["backed_up"] == 512 * MIB
+    # The weights mapping made before kv_cache failed was given back.
+    assert torch.cuda.mem_get_info()[0] >= free_blocked - 64 * MIB
+
+    del blocker
+    torch.cuda.empty_cache()
+    alloc.wake_up()
+    assert torch.equal(weights, expected)
+    kv[-MIB:].fill_(3)
+    assert int(kv[-MIB:].sum()) == 3 * MIB
+
+
+@fresh_process
+def test_driver_errors_surface_as_runtime_errors_and_do_not_poison_the_allocator():
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        first = torch.ones(MIB, device="cuda")
+    allocation = alloc.allocations[first.data_ptr()]
+    with pytest.raises(RuntimeError, match=r"^(cu|hip)Mem\w+ failed: "):
+        alloc._driver.create_and_map(
+            allocation.device, allocation.size, allocation.address, allocation.handle
+        )
+
+    library = ctypes.CDLL(alloc._driver.library_path())
+    library.my_malloc.restype = ctypes.c_void_p
+    library.my_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    assert library.my_malloc(1 << 60, 0, None) is None  # no such memory anywhere
+    assert "failed" in alloc._driver.last_error()
+
+    with alloc.use_memory_pool("weights"):
+        second = torch.full((MIB,), 2.0, device="cuda")
+    assert second.data_ptr() in alloc.allocations
+    assert float(second.sum()) == 2.0 * MIB
+    assert float(first.sum()) == float(MIB)

@@ -1,0 +1,265 @@
+"""Manager bookkeeping on a faked VMM layer (CPU): tags, offload vs drop, double
+sleep/wake, rollback of a failing wake, ROCm zeroing."""
+
+import logging
+
+import pytest
+
+from tests.unit.fake_vmm import PAGE, STALE_BYTE, FakeVmmDriver
+from vllm_graph_sleep.allocator import GraphSleepAllocator, WakeUpError
+
+MIB = 1 << 20
+
+
+def make(capacity=1 << 30, rocm=False, **kwargs):
+    driver = FakeVmmDriver(capacity=capacity, rocm=rocm)
+    return driver, GraphSleepAllocator(driver, **kwargs)
+
+
+def allocate(driver, manager, tag, size=PAGE, value=None):
+    with manager.allocation_tag(tag):
+        address = driver.malloc(size)
+    if value is not None:
+        driver.write(address, value)
+    return address
+
+
+@pytest.fixture
+def setup():
+    driver, manager = make()
+    weights = allocate(driver, manager, "weights", 4 * MIB, value=1)
+    kv = allocate(driver, manager, "kv_cache", 8 * MIB, value=2)
+    graph = allocate(driver, manager, "cudagraph", 2 * MIB, value=3)
+    return driver, manager, {"weights": weights, "kv_cache": kv, "cudagraph": graph}
+
+
+def test_allocations_carry_the_tag_current_at_malloc(setup):
+    driver, manager, addresses = setup
+    assert {a: manager.allocations[a].tag for a in addresses.values()} == {
+        addresses["weights"]: "weights",
+        addresses["kv_cache"]: "kv_cache",
+        addresses["cudagraph"]: "cudagraph",
+    }
+    assert manager.current_tag == "default"
+    assert manager.get_current_usage() == 14 * MIB
+    assert manager.usage_by_tag()["kv_cache"] == {"mapped": 8 * MIB, "backed_up": 0, "dropped": 0}
+
+
+def test_sleep_backs_up_offloaded_tags_and_drops_the_rest(setup):
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+    assert driver.mapped_bytes() == 0
+    assert manager.mapped_bytes() == 0
+    usage = manager.usage_by_tag()
+    assert usage["weights"]["backed_up"] == 4 * MIB
+    assert usage["cudagraph"]["backed_up"] == 2 * MIB
+    assert usage["kv_cache"]["dropped"] == 8 * MIB
+    assert manager.allocations[addresses["kv_cache"]].host is None
+
+    manager.wake_up()
+    assert driver.mapped_bytes() == 14 * MIB
+    assert bool((driver.read(addresses["weights"]) == 1).all())
+    assert bool((driver.read(addresses["cudagraph"]) == 3).all())
+    # Dropped memory comes back with whatever the driver gives (CUDA: no zeroing).
+    assert bool((driver.read(addresses["kv_cache"]) == STALE_BYTE).all())
+
+
+def test_default_offload_tag_is_default():
+    driver, manager = make()
+    address = allocate(driver, manager, "default", value=7)
+    manager.sleep()
+    manager.wake_up()
+    assert bool((driver.read(address) == 7).all())
+
+
+def test_second_sleep_is_a_no_op_and_keeps_the_first_backup(setup):
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights",))
+    unmaps = list(driver.unmap_calls)
+    # A second sleep at another "level" must neither unmap again nor drop the
+    # weights backup taken by the first one.
+    manager.sleep(offload_tags=())
+    assert driver.unmap_calls == unmaps
+    assert manager.usage_by_tag()["weights"]["backed_up"] == 4 * MIB
+    manager.wake_up()
+    assert bool((driver.read(addresses["weights"]) == 1).all())
+
+
+def test_second_wake_is_a_no_op(setup):
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    driver.write(addresses["weights"], 9)
+    maps = list(driver.map_calls)
+    manager.wake_up()
+    manager.wake_up(["weights"])
+    assert driver.map_calls == maps
+    assert bool((driver.read(addresses["weights"]) == 9).all())
+
+
+def test_any_wake_restores_the_graph_pool_first(setup):
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+    driver.map_calls.clear()
+    manager.wake_up(["kv_cache"])
+    assert driver.map_calls == [addresses["cudagraph"], addresses["kv_cache"]]
+    assert bool((driver.read(addresses["cudagraph"]) == 3).all())
+    assert manager.usage_by_tag()["weights"] == {"mapped": 0, "backed_up": 4 * MIB, "dropped": 0}
+
+    manager.wake_up(["weights"])
+    assert bool((driver.read(addresses["weights"]) == 1).all())
+
+
+def test_other_internal_tags_are_not_deferrable():
+    driver, manager = make()
+    runtime = allocate(driver, manager, "runtime", value=4)
+    allocate(driver, manager, "weights", value=1)
+    manager.sleep(offload_tags=("runtime",))
+    manager.wake_up(["weights"])
+    assert bool((driver.read(runtime) == 4).all())
+
+
+def test_failing_wake_rolls_back_and_can_be_retried():
+    driver, manager = make(capacity=64 * MIB)
+    graph = allocate(driver, manager, "cudagraph", 2 * MIB, value=3)
+    weights = allocate(driver, manager, "weights", 8 * MIB, value=1)
+    allocate(driver, manager, "kv_cache", 40 * MIB, value=2)
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+
+    driver.occupied_elsewhere = 30 * MIB  # another process took memory meanwhile
+    with pytest.raises(WakeUpError, match="cuMemCreate failed: out of memory") as raised:
+        manager.wake_up()
+    assert "retry" in str(raised.value)
+    # The graph pool and weights were mapped before kv_cache failed: rolled back.
+    assert driver.mapped_bytes() == 0
+    assert manager.mapped_bytes() == 0
+    usage = manager.usage_by_tag()
+    assert usage["weights"]["backed_up"] == 8 * MIB
+    assert usage["cudagraph"]["backed_up"] == 2 * MIB
+    assert usage["kv_cache"]["dropped"] == 40 * MIB
+
+    driver.occupied_elsewhere = 0
+    manager.wake_up()
+    assert driver.mapped_bytes() == 50 * MIB
+    assert bool((driver.read(weights) == 1).all())
+    assert bool((driver.read(graph) == 3).all())
+
+
+def test_failure_on_first_map_changes_nothing():
+    driver, manager = make(capacity=16 * MIB)
+    weights = allocate(driver, manager, "weights", 8 * MIB, value=1)
+    manager.sleep(offload_tags=("weights",))
+    driver.occupied_elsewhere = 12 * MIB
+    with pytest.raises(WakeUpError):
+        manager.wake_up(["weights"])
+    assert weights not in driver.memory
+    assert manager.usage_by_tag()["weights"] == {"mapped": 0, "backed_up": 8 * MIB, "dropped": 0}
+    driver.occupied_elsewhere = 0
+    manager.wake_up(["weights"])
+    assert bool((driver.read(weights) == 1).all())
+
+
+@pytest.mark.parametrize("rocm", [True, False])
+def test_zeroing_only_of_allocations_without_a_backup(rocm):
+    driver, manager = make(rocm=rocm)
+    weights = allocate(driver, manager, "weights", value=1)
+    kv = allocate(driver, manager, "kv_cache", value=2)
+    manager.sleep(offload_tags=("weights",))
+    syncs = driver.sync_calls
+    manager.wake_up()
+    assert bool((driver.read(weights) == 1).all())
+    expected_kv = 0 if rocm else STALE_BYTE
+    assert bool((driver.read(kv) == expected_kv).all())
+    assert driver.sync_calls > syncs  # synchronized before wake returned
+
+
+def test_zeroing_can_be_forced_on_cuda_and_turned_off_on_rocm(monkeypatch):
+    driver, manager = make(rocm=False, zero_on_wake=True)
+    kv = allocate(driver, manager, "kv_cache", value=2)
+    manager.sleep(offload_tags=())
+    manager.wake_up()
+    assert bool((driver.read(kv) == 0).all())
+
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_ZERO_ON_WAKE", "0")
+    driver, manager = make(rocm=True)
+    assert manager.zero_on_wake is False
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.sleep(offload_tags=("weigths",)),
+        lambda m: m.wake_up(["kv-cache"]),
+        lambda m: m.wake_up([3]),
+        lambda m: m.discard("bogus"),
+    ],
+    ids=["sleep-typo", "wake-typo", "wake-not-a-string", "discard-unknown"],
+)
+def test_unknown_tags_are_rejected_before_anything_changes(setup, call):
+    driver, manager, _ = setup
+    before = (list(driver.map_calls), list(driver.unmap_calls), manager.usage_by_tag())
+    with pytest.raises(ValueError, match="unknown memory tag"):
+        call(manager)
+    assert (driver.map_calls, driver.unmap_calls, manager.usage_by_tag()) == before
+
+
+def test_discard_frees_only_the_named_tags(setup):
+    driver, manager, addresses = setup
+    assert manager.discard("kv_cache") == 8 * MIB
+    assert addresses["kv_cache"] not in driver.memory
+    assert bool((driver.read(addresses["weights"]) == 1).all())
+    manager.wake_up(["kv_cache"])
+    assert addresses["kv_cache"] in driver.memory
+
+
+def test_discard_of_a_sleeping_tag_drops_its_backup(setup):
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights",))
+    manager.discard(["weights"])
+    assert manager.usage_by_tag()["weights"]["dropped"] == 4 * MIB
+    manager.wake_up()
+    assert bool((driver.read(addresses["weights"]) == STALE_BYTE).all())
+
+
+def test_free_while_asleep_does_not_unmap_twice(setup):
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights",))
+    unmaps = len(driver.unmap_calls)
+    driver.free(addresses["weights"])
+    assert len(driver.unmap_calls) == unmaps
+    assert addresses["weights"] not in manager.allocations
+    driver.free(addresses["kv_cache"])
+    manager.wake_up()
+    assert manager.get_current_usage() == 2 * MIB
+
+
+def test_host_buffers_are_reused_unless_released(setup, monkeypatch):
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights",))
+    host = manager.allocations[addresses["weights"]].host
+    manager.wake_up()
+    manager.sleep(offload_tags=("weights",))
+    assert manager.allocations[addresses["weights"]].host is host
+    manager.wake_up()
+
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY", "1")
+    driver, manager = make()
+    allocate(driver, manager, "weights", value=1)
+    manager.sleep(offload_tags=("weights",))
+    assert manager.host_bytes() == PAGE
+    manager.wake_up()
+    assert manager.host_bytes() == 0
+
+
+def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog):
+    driver, manager, _ = setup
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights", "cudagraph"))
+        manager.wake_up(["kv_cache"])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert "backed up cudagraph 2.00 MiB, weights 4.00 MiB" in lines[0]
+    assert "dropped kv_cache 8.00 MiB" in lines[0]
+    assert "restored from host cudagraph 2.00 MiB" in lines[1]
+    assert "remapped without backup kv_cache 8.00 MiB" in lines[1]
+    assert "still asleep weights 4.00 MiB" in lines[1]
