@@ -22,7 +22,6 @@ Rules it keeps:
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import os
 import time
@@ -254,9 +253,6 @@ class GraphSleepAllocator:
                 allocation.host = None
                 _add(dropped, allocation.tag, allocation.size)
 
-        gc.collect()
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
         logger.info(
             "graph-sleep sleep: backed up %s; dropped %s; %.3f s",
             _describe(kept),
@@ -287,7 +283,6 @@ class GraphSleepAllocator:
 
         # Return cached but unused blocks of torch's own pools to the driver
         # first: they may be exactly what we need to map.
-        gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
