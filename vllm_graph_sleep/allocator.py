@@ -227,6 +227,7 @@ class GraphSleepAllocator:
             offload_tags = (DEFAULT_TAG,)
         offload = self._normalize(offload_tags, "sleep")
         start = time.perf_counter()
+        self._claim_graph_pool()
         awake = [allocation for allocation in self.allocations.values() if allocation.mapped]
         devices = {allocation.device for allocation in awake}
         for device in devices:
@@ -338,6 +339,17 @@ class GraphSleepAllocator:
         for device in {allocation.device for allocation in mapped}:
             self._driver.synchronize(device)
         return restored, fresh
+
+    def _claim_graph_pool(self) -> None:
+        """Tags everything in the graph pool "cudagraph", whatever tag was current
+        when it was allocated (a capture outside `cudagraph_pool()`, e.g. a lazy
+        one, still used this pool through the platform's global graph pool)."""
+        if self._graph_pool is None:
+            return
+        for segment in self._graph_pool.snapshot(include_traces=False):
+            allocation = self.allocations.get(segment["address"])
+            if allocation is not None:
+                allocation.tag = GRAPH_TAG
 
     def _roll_back(self, mapped: list[Allocation]) -> None:
         for allocation in reversed(mapped):

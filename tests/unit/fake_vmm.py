@@ -16,6 +16,17 @@ STALE_BYTE = 0x5A
 PAGE = 2 << 20
 
 
+class FakePool:
+    """Stands in for torch.cuda.MemPool: segments are what tests put there."""
+
+    def __init__(self):
+        self.id = (0, id(self))
+        self.segments: list[int] = []
+
+    def snapshot(self, include_traces: bool = True) -> list[dict]:
+        return [{"address": address, "allocated_size": 0} for address in self.segments]
+
+
 class FakeVmmDriver:
     def __init__(self, capacity: int = 1 << 30, rocm: bool = False):
         self.capacity = capacity
@@ -61,6 +72,9 @@ class FakeVmmDriver:
 
     def is_rocm(self) -> bool:
         return self.rocm
+
+    def memory_pool(self) -> FakePool:
+        return FakePool()
 
     # -- what torch would do through my_malloc / my_free --------------------
 

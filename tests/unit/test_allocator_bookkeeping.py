@@ -263,3 +263,16 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     assert "restored from host cudagraph 2.00 MiB" in lines[1]
     assert "remapped without backup kv_cache 8.00 MiB" in lines[1]
     assert "still asleep weights 4.00 MiB" in lines[1]
+
+
+def test_everything_in_the_graph_pool_is_claimed_as_graph_memory_at_sleep():
+    driver, manager = make()
+    with manager.cudagraph_pool() as pool:
+        captured = driver.malloc(PAGE)
+    lazily_captured = allocate(driver, manager, "default", value=6)  # tag was not cudagraph
+    pool.segments += [captured, lazily_captured]
+    manager.sleep(offload_tags=("cudagraph",))
+    assert manager.allocations[lazily_captured].tag == "cudagraph"
+    assert manager.usage_by_tag()["cudagraph"]["backed_up"] == 2 * PAGE
+    manager.wake_up(["kv_cache"])
+    assert bool((driver.read(lazily_captured) == 6).all())

@@ -1,0 +1,247 @@
+"""The gate, the NCCL policy, the flag's path into the engine config, and the
+backend's level policy (CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import pickle
+from types import SimpleNamespace
+
+import cloudpickle
+import pytest
+
+from tests.unit.force_cpu_platform import force_cpu_platform
+from vllm_graph_sleep import config
+
+force_cpu_platform()
+
+import vllm_graph_sleep  # noqa: E402
+from vllm_graph_sleep.backend import offload_tags_for  # noqa: E402
+from vllm_graph_sleep.patches import v1_worker_gpu_worker  # noqa: E402
+
+
+class FakePlatform:
+    def __init__(self, cuda_alike: bool):
+        self._cuda_alike = cuda_alike
+
+    def is_cuda_alike(self) -> bool:
+        return self._cuda_alike
+
+
+PLATFORMS = {"cuda": FakePlatform(True), "rocm": FakePlatform(True), "cpu": FakePlatform(False)}
+
+
+def fake_vllm_config(flag=True, sleep=True, eager=False, cudagraph_mode="FULL_AND_PIECEWISE"):
+    return SimpleNamespace(
+        additional_config={config.FLAG: True} if flag else {},
+        model_config=SimpleNamespace(enable_sleep_mode=sleep, enforce_eager=eager),
+        compilation_config=SimpleNamespace(
+            cudagraph_mode=SimpleNamespace(name="NONE" if eager else cudagraph_mode)
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "flag,sleep,eager,platform",
+    list(itertools.product([True, False], [True, False], [True, False], PLATFORMS)),
+)
+def test_gate_truth_table(flag, sleep, eager, platform):
+    gate = config.evaluate_gate(fake_vllm_config(flag, sleep, eager), PLATFORMS[platform])
+    assert gate.active == (flag and sleep and not eager and platform in ("cuda", "rocm"))
+    assert gate.requested == flag
+    assert bool(gate.reason) == (flag and not gate.active)
+
+
+@pytest.mark.parametrize("mode", ["FULL", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_gate_is_on_for_every_cudagraph_mode_but_none(mode):
+    assert config.evaluate_gate(fake_vllm_config(cudagraph_mode=mode), PLATFORMS["cuda"]).active
+    off = config.evaluate_gate(fake_vllm_config(cudagraph_mode="NONE"), PLATFORMS["cuda"])
+    assert not off.active and "CUDA graphs are off" in off.reason
+
+
+def test_flag_as_string_from_json_is_understood():
+    vllm_config = fake_vllm_config()
+    vllm_config.additional_config = {config.FLAG: "true"}
+    assert config.evaluate_gate(vllm_config, PLATFORMS["cuda"]).active
+
+
+def test_ineffective_flag_warns_once_with_the_reason(caplog):
+    gate = config.evaluate_gate(fake_vllm_config(sleep=False), PLATFORMS["cuda"])
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        config.warn_if_ineffective(gate)
+        config.warn_if_ineffective(config.evaluate_gate(fake_vllm_config(flag=False)))
+    assert len(caplog.records) == 1
+    assert "--enable-sleep-mode" in caplog.records[0].getMessage()
+
+
+def test_nccl_policy_defaults_to_zero_and_keeps_an_explicit_value(caplog):
+    environ: dict[str, str] = {}
+    assert config.apply_nccl_policy(environ) == "0" and environ == {"NCCL_GRAPH_REGISTER": "0"}
+    environ = {"NCCL_GRAPH_REGISTER": "0"}
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        assert config.apply_nccl_policy(environ) == "0"
+    assert not caplog.records
+    environ = {"NCCL_GRAPH_REGISTER": "1"}
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        assert config.apply_nccl_policy(environ) == "1"
+    assert environ == {"NCCL_GRAPH_REGISTER": "1"}
+    assert "NCCL_GRAPH_REGISTER=1 is kept" in caplog.records[0].getMessage()
+
+
+class FakeWorker:
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+        self.seen_nccl = "unset"
+
+    def init_device(self):
+        import os
+
+        self.seen_nccl = os.environ.get("NCCL_GRAPH_REGISTER", "unset")
+
+
+@pytest.fixture
+def worker_patch(monkeypatch):
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    monkeypatch.setattr(config, "_active_in_this_process", False)
+    routed = []
+    monkeypatch.setattr(
+        v1_worker_gpu_worker, "route_graph_capture_to_pool", lambda: routed.append(1)
+    )
+    monkeypatch.setattr(
+        config, "evaluate_gate", lambda vc, platform=None: config.Gate(vc.on, vc.on)
+    )
+    init_device = v1_worker_gpu_worker._wrap_init_device(FakeWorker.init_device)
+    return init_device, routed
+
+
+def test_worker_sets_nccl_before_init_device_and_activates_after(worker_patch):
+    init_device, routed = worker_patch
+    worker = FakeWorker(SimpleNamespace(on=True, model_config=SimpleNamespace()))
+    init_device(worker)
+    assert worker.seen_nccl == "0"
+    assert config.is_active() and routed == [1]
+    assert worker.vllm_config.model_config.sleep_mode_backend == config.BACKEND_NAME
+
+
+def test_worker_touches_nothing_when_the_gate_is_off(worker_patch):
+    init_device, routed = worker_patch
+    worker = FakeWorker(SimpleNamespace(on=False, model_config=SimpleNamespace()))
+    init_device(worker)
+    assert worker.seen_nccl == "unset"
+    assert not config.is_active() and routed == []
+    assert not hasattr(worker.vllm_config.model_config, "sleep_mode_backend")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+    ).save_pretrained(path)
+    return str(path)
+
+
+def _reaches_worker(engine_args) -> bool:
+    """What workers receive: the VllmConfig, pickled as vLLM ships it."""
+    vllm_config = engine_args.create_engine_config()
+    shipped = pickle.loads(cloudpickle.dumps(vllm_config))
+    return config.flag_requested(shipped)
+
+
+def test_flag_from_the_cli_reaches_the_worker_config(tiny_model):
+    vllm_graph_sleep.register()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    common = ["--model", tiny_model, "--skip-tokenizer-init"]
+    on = AsyncEngineArgs.from_cli_args(
+        parser.parse_args([*common, "--sleep-mode-offload-cudagraph"])
+    )
+    off = AsyncEngineArgs.from_cli_args(parser.parse_args(common))
+    assert _reaches_worker(on) and not _reaches_worker(off)
+    json_path = AsyncEngineArgs.from_cli_args(
+        parser.parse_args(
+            [*common, "--additional-config", '{"sleep_mode_offload_cudagraph": true}']
+        )
+    )
+    assert _reaches_worker(json_path)
+
+
+def test_flag_is_listed_in_help(capsys):
+    vllm_graph_sleep.register()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert any("--sleep-mode-offload-cudagraph" in a.option_strings for a in parser._actions)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help=all"])
+    assert "--sleep-mode-offload-cudagraph" in capsys.readouterr().out
+
+
+def test_flag_from_llm_keyword_reaches_the_worker_config(tiny_model):
+    vllm_graph_sleep.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    # LLM(...) forwards its keywords to EngineArgs unchanged.
+    keyword = EngineArgs(
+        model=tiny_model, skip_tokenizer_init=True, sleep_mode_offload_cudagraph=True
+    )
+    merged = EngineArgs(
+        model=tiny_model,
+        skip_tokenizer_init=True,
+        additional_config={"other": 1},
+        sleep_mode_offload_cudagraph=True,
+    )
+    assert _reaches_worker(keyword)
+    assert merged.additional_config == {"other": 1, config.FLAG: True}
+    assert not _reaches_worker(EngineArgs(model=tiny_model, skip_tokenizer_init=True))
+
+
+def test_negated_cli_flag_is_off():
+    namespace = argparse.Namespace(sleep_mode_offload_cudagraph=False)
+    engine_args = SimpleNamespace(additional_config=None)
+    from vllm_graph_sleep.patches.engine_arg_utils import fold_flag
+
+    fold_flag(engine_args, namespace.sleep_mode_offload_cudagraph)
+    assert engine_args.additional_config is None
+
+
+@pytest.mark.parametrize(
+    "level,tags,expected",
+    [
+        (1, {"weights", "kv_cache", "cudagraph"}, ("cudagraph", "weights")),
+        (2, {"weights", "kv_cache", "cudagraph"}, ("cudagraph",)),
+        (1, {"weights", "kv_cache"}, ("weights",)),
+        (2, {"weights", "kv_cache", "cudagraph", "runtime"}, ("cudagraph", "runtime")),
+    ],
+)
+def test_level_policy(level, tags, expected):
+    assert offload_tags_for(level, tags) == expected
+
+
+@pytest.mark.parametrize("level", [0, 3, -1, "1"])
+def test_backend_rejects_levels_other_than_1_and_2(level):
+    with pytest.raises(ValueError, match="sleep level must be one of"):
+        offload_tags_for(level, {"weights"})
+
+
+def test_backend_is_registered_in_vllms_factory():
+    vllm_graph_sleep.register()
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    from vllm_graph_sleep.backend import GraphSleepBackend
+
+    assert SleepModeBackendFactory.get_backend_class(config.BACKEND_NAME) is GraphSleepBackend
+    vllm_graph_sleep.register()  # idempotent: a second registration would raise in vLLM

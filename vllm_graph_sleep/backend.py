@@ -1,0 +1,48 @@
+"""Our sleep-mode backend, registered in vLLM's SleepModeBackendFactory.
+
+Level policy (DESIGN.md decision 7):
+- level 1: weights and the graph pool (and any other internal tag) are backed
+  up to pinned host memory; the KV cache is dropped;
+- level 2: weights and the KV cache are dropped; the graph pool is still
+  backed up, so graphs replay after `reload_weights` without recapture.
+Any wake, even one naming only "kv_cache" or only "weights", restores the graph
+pool first (the allocator never leaves a non-deferrable tag asleep).
+"""
+
+from __future__ import annotations
+
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
+
+from vllm_graph_sleep.allocator import KV_CACHE_TAG, WEIGHTS_TAG, GraphSleepAllocator
+
+SLEEP_LEVELS = (1, 2)
+
+
+def offload_tags_for(level: int, tags_in_use: set[str]) -> tuple[str, ...]:
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, not {level!r}")
+    dropped = {KV_CACHE_TAG} if level == 1 else {KV_CACHE_TAG, WEIGHTS_TAG}
+    return tuple(sorted(tags_in_use - dropped))
+
+
+class GraphSleepBackend(SleepModeBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self._allocator = GraphSleepAllocator.get_instance()
+
+    def suspend(self, level: int = 1) -> None:
+        tags = {allocation.tag for allocation in self._allocator.allocations.values()}
+        offload = offload_tags_for(level, tags)
+        self._state = "SUSPENDED"
+        self._allocator.sleep(offload_tags=offload)
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        self._state = "RESUMING"
+        self._allocator.wake_up(tags)
+        asleep = self._allocator.get_current_usage() - self._allocator.mapped_bytes()
+        self._state = "RUNNING" if asleep == 0 else "SUSPENDED"
+
+    @classmethod
+    def preserves_communicators(cls) -> bool:
+        # NCCL and custom all-reduce buffers live outside our pools.
+        return True

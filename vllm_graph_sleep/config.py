@@ -1,0 +1,100 @@
+"""The flag, the gate that decides whether graph offload is active, and the
+NCCL policy that comes with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+logger = logging.getLogger("vllm.graph_sleep")
+
+FLAG = "sleep_mode_offload_cudagraph"
+BACKEND_NAME = "graph_sleep"
+NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"
+
+_active_in_this_process = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    active: bool
+    requested: bool
+    reason: str = ""  # why it is off although requested
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def flag_requested(vllm_config: Any) -> bool:
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    return _truthy(additional.get(FLAG, False))
+
+
+def _cudagraphs_off(vllm_config: Any) -> bool:
+    model_config = vllm_config.model_config
+    if getattr(model_config, "enforce_eager", False):
+        return True
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)) == "NONE"
+
+
+def evaluate_gate(vllm_config: Any, platform: Any = None) -> Gate:
+    """Active iff the flag, sleep mode, CUDA graphs and a CUDA or ROCm platform."""
+    requested = flag_requested(vllm_config)
+    if not requested:
+        return Gate(active=False, requested=False)
+    if platform is None:
+        from vllm.platforms import current_platform as platform
+    model_config = vllm_config.model_config
+    if model_config is None or not model_config.enable_sleep_mode:
+        reason = "sleep mode is off: add --enable-sleep-mode"
+    elif _cudagraphs_off(vllm_config):
+        reason = "CUDA graphs are off (--enforce-eager or cudagraph_mode NONE): nothing to offload"
+    elif not platform.is_cuda_alike():
+        reason = f"platform {type(platform).__name__} is neither CUDA nor ROCm"
+    else:
+        return Gate(active=True, requested=True)
+    return Gate(active=False, requested=True, reason=reason)
+
+
+def warn_if_ineffective(gate: Gate) -> None:
+    if gate.requested and not gate.active:
+        logger.warning("--sleep-mode-offload-cudagraph has no effect: %s", gate.reason)
+
+
+def apply_nccl_policy(environ: MutableMapping[str, str] | None = None) -> str:
+    """With graph offload on, NCCL must not register graph buffers: a
+    registration pins the pool sleep tries to release and goes stale when wake
+    remaps it (fzyzcjy/torch_memory_saver#88, sgl-project/sglang#40648).
+    Defaults NCCL_GRAPH_REGISTER to "0"; an explicit value is kept, with a
+    warning unless it is "0". Returns the value in force."""
+    environ = os.environ if environ is None else environ
+    current = environ.get(NCCL_GRAPH_REGISTER)
+    if current is None:
+        environ[NCCL_GRAPH_REGISTER] = "0"
+        return "0"
+    if current.strip() != "0":
+        logger.warning(
+            "%s=%s is kept as you set it, but with --sleep-mode-offload-cudagraph NCCL's "
+            "graph-buffer registration can pin the graph pool (sleep frees less) and go stale "
+            "after wake; set it to 0 unless you know otherwise.",
+            NCCL_GRAPH_REGISTER,
+            current,
+        )
+    return current
+
+
+def mark_active() -> None:
+    global _active_in_this_process
+    _active_in_this_process = True
+
+
+def is_active() -> bool:
+    """True in a worker process where graph offload was switched on."""
+    return _active_in_this_process

@@ -1,0 +1,24 @@
+"""Every change this plugin makes to vLLM, in one list.
+
+Each entry names a module of this package, itself named after the vLLM module
+it changes (dots become underscores, the leading "vllm." is dropped). Each
+module starts with a header (vLLM symbol, version verified, why, remove when)
+and has an idempotent `apply()` that feature-detects what it wraps and fails
+loudly, naming the symbol and the vLLM version, when the shape is not what it
+expects. tests/unit/test_patch_registry.py keeps this list and the files equal.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+PATCH_MODULES = (
+    "engine_arg_utils",
+    "v1_worker_gpu_worker",
+    "v1_worker_encoder_cudagraph",
+)
+
+
+def apply_all() -> None:
+    for name in PATCH_MODULES:
+        importlib.import_module(f"{__name__}.{name}").apply()
