@@ -14,6 +14,7 @@ import importlib
 
 PATCH_MODULES = (
     "engine_arg_utils",
+    "entrypoints_serve_dev_sleep_api_router",
     "v1_worker_gpu_worker",
     "v1_worker_encoder_cudagraph",
 )

@@ -1,0 +1,157 @@
+"""GPU memory while asleep: ours (graphs in the pool) vs stock vLLM with graphs
+vs stock vLLM with --enforce-eager, same model and settings.
+
+Each configuration runs in its own process (one engine per process). Memory is
+NVML's used memory for the GPU (what another process can no longer use) plus
+the worker's own report (allocator tags, torch's reserved memory).
+
+    python benchmarks/sleep_memory.py --model-kind llama --out docs/results/sleep-memory-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = {
+    "ours": {"offload": True, "enforce_eager": False},
+    "stock_graphs": {"offload": False, "enforce_eager": False},
+    "stock_eager": {"offload": False, "enforce_eager": True},
+}
+
+
+def nvml_used() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def settle_used() -> int:
+    """NVML used memory once it stops moving (frees can land a moment later)."""
+    last = nvml_used()
+    for _ in range(20):
+        time.sleep(0.1)
+        now = nvml_used()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def run_one(name: str, model: str, utilization: float) -> dict:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM, SamplingParams
+
+    from vllm_graph_sleep.probe import memory_report
+
+    settings = CONFIGS[name]
+    kwargs = dict(
+        model=model,
+        enable_sleep_mode=True,
+        gpu_memory_utilization=utilization,
+        max_model_len=1024,
+        seed=0,
+        enforce_eager=settings["enforce_eager"],
+    )
+    if settings["offload"]:
+        kwargs["additional_config"] = {"sleep_mode_offload_cudagraph": True}
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    result: dict = {"config": name, "start_s": time.perf_counter() - started}
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    reference = [o.outputs[0].token_ids for o in llm.generate(["Hello, my name is"], params)]
+    result["awake_used_bytes"] = settle_used()
+    result["awake_report"] = llm.collective_rpc(memory_report)[0]
+    for level in (1, 2):
+        begin = time.perf_counter()
+        llm.sleep(level=level)
+        result[f"level{level}_sleep_s"] = time.perf_counter() - begin
+        result[f"level{level}_asleep_used_bytes"] = settle_used()
+        result[f"level{level}_asleep_report"] = llm.collective_rpc(memory_report)[0]
+        begin = time.perf_counter()
+        if level == 2:
+            llm.wake_up(tags=["weights"])
+            llm.collective_rpc("reload_weights")
+            llm.wake_up(tags=["kv_cache"])
+        else:
+            llm.wake_up()
+        result[f"level{level}_wake_s"] = time.perf_counter() - begin
+        tokens = [o.outputs[0].token_ids for o in llm.generate(["Hello, my name is"], params)]
+        result[f"level{level}_bit_exact"] = tokens == reference
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-kind", default="llama")
+    parser.add_argument("--model", help="a local model directory (default: make --model-kind)")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--out", default="docs/results/sleep-memory.json")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--one-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.one:
+        result = run_one(args.one, args.model, args.gpu_memory_utilization)
+        Path(args.one_out).write_text(json.dumps(result))
+        return 0
+
+    model = args.model
+    if model is None:
+        from vllm_graph_sleep.models import make_model
+
+        cache = Path("~/.cache/vllm-graph-sleep").expanduser() / args.model_kind
+        model = str(make_model(args.model_kind, cache))
+    results = []
+    for name in args.configs:
+        one_out = Path(args.out).with_suffix(f".{name}.part.json")
+        command = [sys.executable, __file__, "--one", name, "--model", model]
+        command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        command += ["--one-out", str(one_out)]
+        print(f"running {name} ...", flush=True)
+        subprocess.run(command, check=True)
+        results.append(json.loads(one_out.read_text()))
+        one_out.unlink()
+    by_name = {r["config"]: r for r in results}
+    summary = {}
+    if "stock_eager" in by_name:
+        eager = by_name["stock_eager"]
+        for r in results:
+            summary[r["config"]] = {
+                f"level{lv}_over_stock_eager_mib": (
+                    r[f"level{lv}_asleep_used_bytes"] - eager[f"level{lv}_asleep_used_bytes"]
+                )
+                / 2**20
+                for lv in (1, 2)
+            }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(
+        json.dumps(
+            {"command": sys.argv, "model": model, "results": results, "summary": summary}, indent=1
+        )
+    )
+    for r in results:
+        print(
+            f"{r['config']:>13}: awake {r['awake_used_bytes'] / 2**20:8.0f} MiB  "
+            f"L1 asleep {r['level1_asleep_used_bytes'] / 2**20:8.0f} MiB  "
+            f"L2 asleep {r['level2_asleep_used_bytes'] / 2**20:8.0f} MiB  "
+            f"wake L1 {r['level1_wake_s']:.2f}s  "
+            f"exact {r['level1_bit_exact']}/{r['level2_bit_exact']}"
+        )
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
