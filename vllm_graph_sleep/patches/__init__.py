@@ -15,6 +15,8 @@ import importlib
 PATCH_MODULES = (
     "engine_arg_utils",
     "entrypoints_serve_dev_sleep_api_router",
+    "distributed_device_communicators_custom_all_reduce",
+    "distributed_device_communicators_aiter_custom_all_reduce",
     "v1_worker_gpu_worker",
     "v1_worker_encoder_cudagraph",
 )

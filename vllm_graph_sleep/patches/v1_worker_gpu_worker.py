@@ -6,7 +6,8 @@ calls. Verified against vLLM 0.26.0.
 
 Why: vLLM 0.26 has no seam that puts graph memory under sleep mode. When the
 gate is on in this worker, this patch
-- sets NCCL_GRAPH_REGISTER before init_device starts NCCL;
+- sets NCCL_GRAPH_REGISTER before init_device starts NCCL, and marks the
+  process active before the all-reduce communicators are built;
 - after init_device: serves all sleep-mode memory from our allocator, selects
   our sleep-mode backend, and points the platform's global graph pool (read by
   every capture wrapper of both model runners, and passed to NCCL's
@@ -50,9 +51,11 @@ def _wrap_init_device(original):
         config.warn_if_ineffective(gate)
         if gate.active:
             config.apply_nccl_policy()
+            # Before the original: it builds the all-reduce communicators, whose
+            # patches must already see graph offload on.
+            config.mark_active()
         result = original(self, *args, **kwargs)
         if gate.active:
-            config.mark_active()
             self.vllm_config.model_config.sleep_mode_backend = config.BACKEND_NAME
             route_graph_capture_to_pool()
             logger.info("graph-sleep: CUDA/HIP graphs are captured into the cudagraph pool")
