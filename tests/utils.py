@@ -29,8 +29,11 @@ def fresh_process(test):
         if os.environ.get(_CHILD_ENV) == "1":
             return test(*args, **kwargs)
         node_id = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
+        # -s: the child's own logs go out first, so pytest's failure report
+        # (assertion and traceback) ends the output and survives the tail below.
         result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", node_id],
+            [sys.executable, "-m", "pytest", "-x", "-q", "-s", "--tb=short"]
+            + ["-p", "no:cacheprovider", node_id],
             cwd=ROOT,
             env={**os.environ, _CHILD_ENV: "1"},
             capture_output=True,
