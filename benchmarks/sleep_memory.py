@@ -50,6 +50,7 @@ def settle_used() -> int:
 def run_one(name: str, model: str, utilization: float) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM, SamplingParams
 
     from vllm_graph_sleep.probe import memory_report

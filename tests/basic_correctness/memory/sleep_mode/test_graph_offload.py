@@ -7,95 +7,19 @@ engine before its first sleep.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
+from tests.engine_utils import (
+    CYCLES,
+    greedy_tokens,
+    mapped,
+    report,
+    sleep_wake_cycles,
+    start_engine,
+)
 from tests.utils import fresh_process, requires_gpu
 
 pytestmark = requires_gpu
-
-CYCLES = int(os.environ.get("GRAPH_SLEEP_TEST_CYCLES", "10"))
-PROMPTS = [
-    "The quick brown fox",
-    "In a distant galaxy, the engineers",
-    "Sleep mode lets a server",
-    "Numbers: one two three",
-]
-MODES = {
-    "full": {"cudagraph_mode": "FULL"},
-    "piecewise": {"cudagraph_mode": "PIECEWISE"},
-    "full_and_piecewise": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
-    "breakable": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
-}
-
-
-def model_dir(kind: str) -> str:
-    from vllm_graph_sleep.models import make_model
-
-    cache = Path(os.environ.get("VLLM_GRAPH_SLEEP_MODEL_CACHE", "~/.cache/vllm-graph-sleep"))
-    return str(make_model(kind, cache.expanduser() / kind))
-
-
-def start_engine(kind: str, mode: str, offload: bool = True, **overrides):
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc probes
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # skips a ~96 s JIT build
-    if mode == "breakable":
-        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
-    from vllm import LLM
-
-    kwargs = dict(
-        model=model_dir(kind),
-        enable_sleep_mode=True,
-        gpu_memory_utilization=0.25,
-        max_model_len=512,
-        max_num_seqs=8,
-        seed=0,
-        compilation_config={**MODES[mode], "cudagraph_capture_sizes": [1, 2, 4, 8]},
-    )
-    if offload:
-        kwargs["additional_config"] = {"sleep_mode_offload_cudagraph": True}
-    kwargs.update(overrides)
-    return LLM(**kwargs)
-
-
-def greedy_tokens(llm) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
-    return [list(output.outputs[0].token_ids) for output in outputs]
-
-
-def report(llm) -> dict:
-    from vllm_graph_sleep.probe import memory_report
-
-    return llm.collective_rpc(memory_report)[0]
-
-
-def mapped(report_: dict) -> dict[str, int]:
-    return {tag: usage["mapped"] for tag, usage in report_["tags"].items()}
-
-
-def sleep_wake_cycles(llm, reference: list[list[int]], cycles: int) -> None:
-    """Mixes level 1 + full wake, level 1 + staged wake, level 2 + reload."""
-    for cycle in range(cycles):
-        kind = cycle % 3
-        llm.sleep(level=1 if kind < 2 else 2)
-        asleep = report(llm)
-        assert sum(mapped(asleep).values()) == 0, (cycle, asleep["tags"])
-        if kind == 0:
-            llm.wake_up()
-        elif kind == 1:
-            llm.wake_up(tags=["weights"])
-            after_weights = mapped(report(llm))
-            assert after_weights["cudagraph"] > 0 and after_weights["kv_cache"] == 0
-            llm.wake_up(tags=["kv_cache"])
-        else:
-            llm.wake_up(tags=["weights"])
-            llm.collective_rpc("reload_weights")
-            llm.wake_up(tags=["kv_cache"])
-        assert greedy_tokens(llm) == reference, f"cycle {cycle} (kind {kind}) changed the tokens"
 
 
 @pytest.mark.parametrize(
