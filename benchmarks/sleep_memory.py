@@ -136,10 +136,23 @@ def main() -> int:
                 / 2**20
                 for lv in (1, 2)
             }
+    # Read only now: touching CUDA here earlier would hold a context on the GPU
+    # while the configurations are measured.
+    import vllm
+    from bench_allocator import environment
+
+    env = {**environment(), "vllm": vllm.__version__}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps(
-            {"command": sys.argv, "model": model, "results": results, "summary": summary}, indent=1
+            {
+                "command": sys.argv,
+                "environment": env,
+                "model": model,
+                "results": results,
+                "summary": summary,
+            },
+            indent=1,
         )
     )
     for r in results:

@@ -1,6 +1,6 @@
 """The device layer under the sleep-mode allocator: our VMM extension plus torch.
 
-`VmmDriver` is everything `allocator.TaggedMemoryManager` needs from the GPU:
+`VmmDriver` is everything `allocator.GraphSleepAllocator` needs from the GPU:
 map/unmap through `vllm_graph_sleep._cumem`, byte views of device memory, pinned
 host buffers, synchronisation and a MemPool on the pluggable allocator. CPU tests
 replace it with a faithful fake (tests/unit/fake_vmm.py).

@@ -106,6 +106,7 @@ def test_bad_mode_is_rejected_before_the_engine(client, engine, mode):
         (["weights"], ["weights"]),
         (["kv_cache"], ["kv_cache"]),
         (["weights", "kv_cache"], ["weights", "kv_cache"]),
+        (["scheduling"], ["scheduling"]),  # ends a level-0 pause
     ],
 )
 def test_valid_wake_up_reaches_engine(client, engine, tags, seen):
@@ -123,7 +124,7 @@ def test_bad_tag_is_rejected_before_the_engine(client, engine, tags, bad):
     response = client.post("/wake_up", params={"tags": tags})
     assert response.status_code == 400
     error = response.json()["error"]
-    assert repr(bad) in error and "'weights', 'kv_cache'" in error
+    assert repr(bad) in error and "'weights', 'kv_cache', 'scheduling'" in error
     assert engine.calls == []
 
 

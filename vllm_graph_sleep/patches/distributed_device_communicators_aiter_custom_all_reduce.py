@@ -5,7 +5,7 @@ vLLM symbols: AiterCustomAllreduce.__init__(group, device, max_size=None), which
 imports aiter.dist.device_communicators.custom_all_reduce.CustomAllreduce and
 builds it with AITER's defaults (lines 30-43), and AiterCustomAllreduce.capture()
 (59-60). Verified against vLLM 0.26.0. ROCm only: CudaCommunicator builds this
-wrapper for the TP group when VLLM_ROCM_USE_AITER_CUSTOM_AR is on
+wrapper for the TP group when VLLM_ROCM_USE_AITER and VLLM_ROCM_USE_AITER_CUSTOM_AR are on
 (cuda_communicator.py:109-113), inside Worker.init_device.
 
 Why: with graph offload on, the graph pool is HIP VMM memory. Legacy IPC cannot

@@ -42,7 +42,8 @@ SLEEP_LEVELS = (0, 1, 2)
 # What EngineCore.pause_scheduler accepts (vllm/v1/engine/core.py); stock lets
 # any other value travel to the engine core before it fails there.
 SLEEP_MODES = ("abort", "keep", "wait")
-WAKE_UP_TAGS = ("weights", "kv_cache")
+# "scheduling" is EngineCore's pseudo-tag that ends a level-0 pause.
+WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
 
 
 def _sleep_error(params: QueryParams) -> str | None:
@@ -67,8 +68,8 @@ def _wake_up_error(params: QueryParams) -> str | None:
     for tag in params.getlist("tags"):
         if tag not in WAKE_UP_TAGS:
             return (
-                f"invalid wake_up tag {tag!r}: allowed tags are 'weights', 'kv_cache' "
-                "(repeat tags=...; no tags wakes everything)"
+                f"invalid wake_up tag {tag!r}: allowed tags are 'weights', 'kv_cache', "
+                "'scheduling' (repeat tags=...; no tags wakes everything)"
             )
     return None
 

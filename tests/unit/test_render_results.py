@@ -1,0 +1,109 @@
+"""tools/render_results.py: renders docs/results/ into a folder, deterministically,
+and the committed index.md and charts are what it renders (CPU, stdlib only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+
+_spec = importlib.util.spec_from_file_location(
+    "render_results", ROOT / "tools" / "render_results.py"
+)
+render_results = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render_results)
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def test_renders_the_key_figures_into_a_folder(tmp_path):
+    assert render_results.main(["--results", str(RESULTS), "--out", str(tmp_path)]) == 0
+    index = (tmp_path / "index.md").read_text()
+
+    bench = _load("allocator-bench-h200.json")
+    assert bench["environment"]["gpu_name"] in index
+    assert bench["environment"]["torch"] in index
+    assert bench["command"] in index
+    for entry in bench["bandwidth"]:
+        row = next(
+            line for line in index.splitlines() if line.startswith(f"| {entry['size_gib']:g} GiB |")
+        )
+        assert f"| {entry['ours']['sleep']['gbps']:.1f} |" in row
+        assert f"| {entry['ours']['wake']['gbps']:.1f} |" in row
+        assert f"| {entry['ratio_sleep_vs_d2h']:.2f} |" in row
+
+    memory = _load("sleep-memory-h200.json")
+    assert render_results.command_text(memory["command"]) in index
+    for config, over in memory["summary"].items():
+        # The first row of each configuration is in the memory table.
+        row = next(line for line in index.splitlines() if line.startswith(f"| `{config}` | "))
+        assert f"| {over['level1_over_stock_eager_mib']:.0f} |" in row, row
+    # The graph pool, per tag: backed up to host at both levels.
+    ours = next(r for r in memory["results"] if r["config"] == "ours")
+    for level in (1, 2):
+        pool = ours[f"level{level}_asleep_report"]["tags"]["cudagraph"]["backed_up"]
+        assert pool > 0 and f"{render_results.mib(pool)} on host" in index
+
+    measured_on_rocm = [
+        path.name
+        for path in RESULTS.glob("*.json")
+        if (json.loads(path.read_text()).get("environment") or {}).get("hip")
+    ]
+    if not measured_on_rocm:
+        assert "**ROCm is untested on hardware.**" in index
+    assert "(allocator-h200.md) (hand-written)" in index
+    for chart in ("allocator-bench-h200.svg", "sleep-memory-h200.svg"):
+        assert f"]({chart})" in index
+        assert (tmp_path / chart).read_text().startswith("<svg ")
+
+
+def test_rendering_is_deterministic():
+    assert render_results.render(RESULTS) == render_results.render(RESULTS)
+
+
+def test_committed_pages_are_up_to_date():
+    stale = render_results.stale(render_results.render(RESULTS), RESULTS)
+    assert not stale, f"{stale} out of date: run python tools/render_results.py"
+
+
+def test_other_benchmarks_and_unknown_files(tmp_path):
+    shutil.copy(RESULTS / "sleep-memory-h200.json", tmp_path)
+    (tmp_path / "tp2-bench.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "TP=2 sleep",
+                "command": ["bench", "--tp", "2"],
+                "environment": {"gpu_name": "AMD Instinct MI300X", "hip": "6.4", "torch": "2.11"},
+                "results": [{"config": "ours", "asleep_mib": 12.5, "exact": True, "nested": {}}],
+            }
+        )
+    )
+    (tmp_path / "notes.json").write_text('{"anything": 1}')
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "plot.png").write_bytes(b"\x89PNG")
+    (tmp_path / "run.md").write_text("# A run\n\nsee sleep-memory-h200.json\n")
+
+    outputs = render_results.render(tmp_path)
+    index = outputs["index.md"]
+    assert "## TP=2 sleep (tp2-bench.json)" in index
+    assert "| config | asleep_mib | exact |" in index and "| ours | 12.5 | yes |" in index
+    assert "Not rendered (format not recognised): [broken.json](broken.json), [notes.json]" in index
+    assert "Other files: [plot.png](plot.png)" in index
+    assert "[A run](run.md) (hand-written)" in index
+    # Run without recorded hardware: the hand-written page that names it is pointed to.
+    assert "not recorded in this file; [run.md](run.md) describes this run." in index
+    # A result measured on ROCm changes the ROCm statement.
+    assert "**ROCm**: measured on AMD hardware in `tp2-bench.json`." in index
+    assert "untested on hardware" not in index
+    # Rendering again over its own output gives the same output.
+    render_results.main(["--results", str(tmp_path)])
+    assert render_results.render(tmp_path) == outputs
+    assert render_results.main(["--results", str(tmp_path), "--check"]) == 0
+    (tmp_path / "index.md").write_text("stale\n")
+    assert render_results.main(["--results", str(tmp_path), "--check"]) == 1

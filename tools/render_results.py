@@ -1,0 +1,732 @@
+#!/usr/bin/env python3
+"""Renders docs/results/index.md and its charts from the data files in docs/results/.
+
+Every JSON file in the folder is read and recognised by its shape:
+- allocator benchmark (benchmarks/bench_allocator.py): "bandwidth" and "environment";
+- sleep memory (benchmarks/sleep_memory.py): "results" whose entries carry
+  "level1_asleep_used_bytes";
+- any other benchmark with "command" and a "results" list of objects: a table of
+  the scalar fields of each result;
+- anything else is listed as not rendered.
+Hand-written pages (*.md other than index.md) and other files (logs, images)
+are linked, not read.
+
+Output: index.md plus one SVG bar chart per recognised benchmark file, named
+after it (<stem>.svg). The output depends on the input files only (no clock, no
+host, sorted listings, fixed number formats), so rendering twice gives the same
+bytes; tests/unit/test_render_results.py checks that the committed files are
+what this script renders. Standard library only.
+
+    python tools/render_results.py              # rewrite docs/results/index.md and the charts
+    python tools/render_results.py --check      # exit 1 if they are out of date
+    python tools/render_results.py --out DIR    # write somewhere else
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "docs" / "results"
+INDEX = "index.md"
+MIB = 1 << 20
+Json = dict[str, Any]
+
+# -- formatting -------------------------------------------------------------------
+
+
+def mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / MIB:,.0f}"
+
+
+def size_text(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale} {unit}"
+    return f"{size} B"
+
+
+def fixed(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def flag(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    return "yes" if value else "**no**"
+
+
+def code(text: str) -> str:
+    return f"`{text}`"
+
+
+def command_text(command: Any) -> str:
+    if isinstance(command, list):
+        return shlex.join(str(part) for part in command)
+    return str(command)
+
+
+def table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return lines
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to dashes."""
+    kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
+    return kept.replace(" ", "-")
+
+
+# -- charts -----------------------------------------------------------------------
+
+PALETTE = ("#4c72b0", "#a1c9f4", "#dd8452", "#ffb482", "#55a868", "#8de5a1")
+
+
+def _nice_top(value: float) -> tuple[float, float]:
+    """An axis top >= value and a tick step, from 1, 2, 2.5 or 5 times a power of 10."""
+    if value <= 0:
+        return 1.0, 0.2
+    magnitude = 1.0
+    while magnitude * 10 <= value:
+        magnitude *= 10
+    while magnitude > value:
+        magnitude /= 10
+    for factor in (0.1, 0.2, 0.25, 0.5, 1, 2, 2.5, 5, 10):
+        step = factor * magnitude
+        if step * 5 >= value:
+            top = step * 5
+            while top - step >= value:
+                top -= step
+            return top, step
+    return value, value / 5
+
+
+def _num(value: float) -> str:
+    return f"{value:.1f}"
+
+
+def _label(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 or value == 0 else f"{value:.1f}"
+
+
+def bar_chart(
+    title: str, unit: str, groups: list[str], series: list[tuple[str, list[float]]]
+) -> str:
+    """A grouped bar chart as a self-contained SVG document."""
+    width, height = 720, 360
+    left, right, top, bottom = 70, 20, 60, 50
+    plot_w, plot_h = width - left - right, height - top - bottom
+    peak = max([v for _, values in series for v in values] + [0.0])
+    axis_top, step = _nice_top(peak)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2:.1f}" y="20" text-anchor="middle" font-size="14" '
+        f'font-weight="bold">{escape(title)}</text>',
+    ]
+    # Legend.
+    x = left
+    for index, (name, _) in enumerate(series):
+        color = PALETTE[index % len(PALETTE)]
+        out.append(f'<rect x="{x}" y="32" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{x + 16}" y="42">{escape(name)}</text>')
+        x += 24 + 7 * len(name)
+    # Axis and grid.
+    ticks = round(axis_top / step)
+    for tick in range(ticks + 1):
+        value = step * tick
+        y = top + plot_h - plot_h * value / axis_top
+        out.append(
+            f'<line x1="{left}" y1="{_num(y)}" x2="{width - right}" y2="{_num(y)}" '
+            f'stroke="#dddddd"/>'
+        )
+        out.append(f'<text x="{left - 6}" y="{_num(y + 4)}" text-anchor="end">{value:g}</text>')
+    out.append(
+        f'<text x="16" y="{_num(top + plot_h / 2)}" text-anchor="middle" '
+        f'transform="rotate(-90 16 {_num(top + plot_h / 2)})">{escape(unit)}</text>'
+    )
+    # Bars.
+    group_w = plot_w / max(len(groups), 1)
+    bar_w = group_w * 0.8 / max(len(series), 1)
+    for g, group in enumerate(groups):
+        x0 = left + g * group_w + group_w * 0.1
+        for s, (_, values) in enumerate(series):
+            value = values[g]
+            h = plot_h * max(value, 0.0) / axis_top
+            x = x0 + s * bar_w
+            y = top + plot_h - h
+            color = PALETTE[s % len(PALETTE)]
+            out.append(
+                f'<rect x="{_num(x)}" y="{_num(y)}" width="{_num(bar_w - 2)}" '
+                f'height="{_num(h)}" fill="{color}"/>'
+            )
+            out.append(
+                f'<text x="{_num(x + (bar_w - 2) / 2)}" y="{_num(y - 4)}" '
+                f'text-anchor="middle" font-size="10">{_label(value)}</text>'
+            )
+        out.append(
+            f'<text x="{_num(left + g * group_w + group_w / 2)}" y="{height - bottom + 18}" '
+            f'text-anchor="middle">{escape(group)}</text>'
+        )
+    out.append(
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" '
+        f'stroke="black"/>'
+    )
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+# -- shared pieces ---------------------------------------------------------------
+
+
+NOT_RECORDED = "- Hardware and versions: not recorded in this file."
+
+
+def environment_lines(environment: Json | None) -> list[str]:
+    if not environment:
+        return [NOT_RECORDED]
+    gpu = environment.get("gpu_name") or "not recorded"
+    total = environment.get("gpu_total_memory_bytes")
+    memory = f" ({mib(total)} MiB)" if total else ""
+    platform = (
+        f"ROCm/HIP {environment['hip']}"
+        if environment.get("hip")
+        else f"CUDA {environment.get('cuda') or 'n/a'}"
+    )
+    lines = [
+        f"- Hardware: {gpu}{memory}, driver {environment.get('driver_version') or 'n/a'}.",
+        f"- Versions: torch {environment.get('torch') or 'n/a'}, {platform}, "
+        f"Python {environment.get('python') or 'n/a'}"
+        + (f", vLLM {environment['vllm']}" if environment.get("vllm") else "")
+        + ".",
+    ]
+    revision = environment.get("git_revision")
+    lines.append(f"- Code: {code(revision) if revision else 'git revision not recorded'}.")
+    return lines
+
+
+def provenance(data: Json) -> list[str]:
+    lines = []
+    if data.get("command") is not None:
+        lines.append(f"- Command (as recorded): {code(command_text(data['command']))}")
+    if data.get("timestamp"):
+        lines.append(f"- Measured: {data['timestamp']}")
+    return lines
+
+
+class Section:
+    def __init__(self, title: str, source: str, lines: list[str], gpu_platform: str | None):
+        self.title = title
+        self.source = source
+        self.lines = lines
+        # "cuda", "rocm" or None when the file does not say.
+        self.gpu_platform = gpu_platform
+
+
+def _platform_of(environment: Json | None) -> str | None:
+    if not environment:
+        return None
+    if environment.get("hip"):
+        return "rocm"
+    if environment.get("cuda"):
+        return "cuda"
+    return None
+
+
+# -- allocator benchmark ---------------------------------------------------------
+
+
+def is_allocator_bench(data: Any) -> bool:
+    return (
+        isinstance(data, dict)
+        and isinstance(data.get("bandwidth"), list)
+        and ("environment" in data)
+    )
+
+
+def render_allocator_bench(name: str, data: Json, charts: dict[str, str]) -> Section:
+    title = f"Allocator sleep/wake against plain pinned copies ({name})"
+    settings = data.get("settings") or {}
+    lines = [
+        f"{data.get('benchmark', 'allocator benchmark')}. One allocation of each size under "
+        f"tag {code(str(settings.get('tag', 'weights')))}; sleep = backup to pinned host + "
+        "unmap, wake = map + restore. GB/s are 1e9 bytes per second over the median of "
+        f"{settings.get('repeats', 'n/a')} steady-state cycles after a cold first one; "
+        '"plain" is a torch copy of the same bytes to or from an already pinned host '
+        f"tensor in the same run; the target ratio is {settings.get('target_ratio', 'n/a')}.",
+        "",
+        *provenance(data),
+        *environment_lines(data.get("environment")),
+        "",
+    ]
+    target = settings.get("target_ratio")
+    rows, groups = [], []
+    sleep_ours, sleep_plain, wake_ours, wake_plain = [], [], [], []
+    for entry in data["bandwidth"]:
+        size = f"{entry.get('size_gib', 0):g} GiB"
+        if "error" in entry:
+            rows.append([size, f"error: {entry['error']}", *[""] * 9])
+            continue
+        ours, plain, cold = entry["ours"], entry["plain"], entry["ours"]["cold"]
+        memory = entry.get("memory") or {}
+        met = entry.get("sleep_pass") and entry.get("wake_pass")
+        rows.append(
+            [
+                size,
+                fixed(ours["sleep"]["gbps"], 1),
+                fixed(plain["d2h"]["gbps"], 1),
+                fixed(entry["ratio_sleep_vs_d2h"], 2),
+                fixed(ours["wake"]["gbps"], 1),
+                fixed(plain["h2d"]["gbps"], 1),
+                fixed(entry["ratio_wake_vs_h2d"], 2),
+                flag(met) if target is not None else "n/a",
+                f"{fixed(cold['sleep_gbps'], 2)} / {fixed(cold['wake_gbps'], 1)}",
+                f"{mib(memory.get('driver_freed_by_sleep_bytes'))} / "
+                f"{mib(memory.get('nvml_freed_by_sleep_bytes'))}",
+                flag(entry.get("bit_exact")),
+            ]
+        )
+        groups.append(size)
+        sleep_ours.append(ours["sleep"]["gbps"])
+        sleep_plain.append(plain["d2h"]["gbps"])
+        wake_ours.append(ours["wake"]["gbps"])
+        wake_plain.append(plain["h2d"]["gbps"])
+    lines += table(
+        [
+            "size",
+            "sleep GB/s",
+            "plain D2H GB/s",
+            "ratio",
+            "wake GB/s",
+            "plain H2D GB/s",
+            "ratio",
+            "target met",
+            "cold sleep / wake GB/s",
+            "freed while asleep, driver / NVML MiB",
+            "bit-exact",
+        ],
+        rows,
+    )
+    if groups:
+        chart = f"{Path(name).stem}.svg"
+        charts[chart] = bar_chart(
+            "Sleep and wake bandwidth: allocator vs plain pinned copies",
+            "GB/s",
+            groups,
+            [
+                ("sleep (ours)", sleep_ours),
+                ("plain D2H", sleep_plain),
+                ("wake (ours)", wake_ours),
+                ("plain H2D", wake_plain),
+            ],
+        )
+        lines += ["", f"![Sleep and wake bandwidth]({chart})"]
+    small = data.get("small_allocations")
+    if isinstance(small, dict) and "error" not in small:
+        lines += [
+            "",
+            f"Many small allocations: {small['tensors']} tensors of "
+            + ", ".join(size_text(s) for s in small["tensor_sizes"])
+            + " in turn, packed by torch into "
+            f"{small['allocator_allocations']} allocations of the allocator "
+            f"({mib(small['allocator_allocation_bytes'])} MiB). Milliseconds, median "
+            "(first cycle):",
+            "",
+        ]
+        rows = []
+        for mode, meaning in (("offload", "backed up"), ("drop", "dropped, no backup")):
+            timing = small.get(mode)
+            if not timing:
+                continue
+            rows.append(
+                [
+                    f"{mode} ({meaning})",
+                    fixed(timing["sleep"]["median_s"] * 1e3, 1),
+                    fixed(timing["wake"]["median_s"] * 1e3, 1),
+                    f"{fixed(timing['first']['sleep_s'] * 1e3, 1)} / "
+                    f"{fixed(timing['first']['wake_s'] * 1e3, 1)}",
+                    flag(timing.get("bit_exact")),
+                ]
+            )
+        lines += table(["mode", "sleep ms", "wake ms", "first sleep / wake ms", "bit-exact"], rows)
+    elif isinstance(small, dict):
+        lines += ["", f"Many small allocations: error: {small['error']}"]
+    return Section(title, name, lines, _platform_of(data.get("environment")))
+
+
+# -- sleep memory ------------------------------------------------------------------
+
+CONFIG_MEANING = {
+    "ours": "this plugin, graph offload on",
+    "stock_graphs": "stock vLLM, CUDA graphs",
+    "stock_eager": "stock vLLM, `--enforce-eager`",
+}
+TAG_ORDER = ("weights", "kv_cache", "cudagraph")
+LEVELS = (1, 2)
+
+
+def is_sleep_memory(data: Any) -> bool:
+    results = data.get("results") if isinstance(data, dict) else None
+    return (
+        isinstance(results, list)
+        and bool(results)
+        and all(isinstance(r, dict) and "level1_asleep_used_bytes" in r for r in results)
+    )
+
+
+def _tag_cell(usage: Json | None) -> str:
+    if usage is None:
+        return "-"
+    parts = []
+    for key, word in (
+        ("mapped", "mapped"),
+        ("backed_up", "on host"),
+        ("dropped", "dropped"),
+        ("asleep", "asleep"),
+    ):
+        if usage.get(key):
+            parts.append(f"{mib(usage[key])} {word}")
+    return ", ".join(parts) or "0"
+
+
+def render_sleep_memory(name: str, data: Json, charts: dict[str, str]) -> Section:
+    title = f"GPU memory while asleep: graph offload vs stock vLLM ({name})"
+    results = data["results"]
+    environment = data.get("environment")
+    lines = [
+        "Each configuration runs the same model and settings in its own process. "
+        "Memory is NVML's used memory of the GPU once it stops moving (what another process "
+        "can no longer use); per-tag figures are the worker's own allocator bookkeeping. "
+        "Level 1 is followed by a full wake, level 2 by a staged wake (`weights`, "
+        "`reload_weights`, `kv_cache`). Bit-exact: greedy tokens after the wake equal the "
+        "tokens before the first sleep.",
+        "",
+        *provenance(data),
+    ]
+    if data.get("model"):
+        lines.append(f"- Model: {code(str(data['model']))}")
+    lines += environment_lines(environment)
+    if not environment:
+        totals = sorted(
+            {
+                r["awake_report"]["driver_total_bytes"]
+                for r in results
+                if isinstance(r.get("awake_report"), dict)
+                and r["awake_report"].get("driver_total_bytes")
+            }
+        )
+        if totals:
+            lines.append(
+                "- GPU memory reported by the driver: "
+                + ", ".join(f"{mib(t)} MiB" for t in totals)
+                + "."
+            )
+    lines += ["", "Configurations:", ""]
+    for result in results:
+        meaning = CONFIG_MEANING.get(result["config"], "")
+        lines.append(f"- {code(result['config'])}" + (f": {meaning}" if meaning else ""))
+
+    summary = data.get("summary") or {}
+    lines += ["", "GPU memory used (MiB, NVML):", ""]
+    rows = []
+    for result in results:
+        over = summary.get(result["config"], {})
+        rows.append(
+            [
+                code(result["config"]),
+                mib(result.get("awake_used_bytes")),
+                *[mib(result.get(f"level{lv}_asleep_used_bytes")) for lv in LEVELS],
+                *[fixed(over.get(f"level{lv}_over_stock_eager_mib"), 0) for lv in LEVELS],
+            ]
+        )
+    lines += table(
+        [
+            "configuration",
+            "awake",
+            "asleep, level 1",
+            "asleep, level 2",
+            "level 1 over stock eager",
+            "level 2 over stock eager",
+        ],
+        rows,
+    )
+
+    lines += ["", "Latency (seconds) and correctness:", ""]
+    rows = []
+    for result in results:
+        rows.append(
+            [
+                code(result["config"]),
+                fixed(result.get("start_s"), 1),
+                fixed(result.get("level1_sleep_s"), 3),
+                fixed(result.get("level1_wake_s"), 3),
+                fixed(result.get("level2_sleep_s"), 3),
+                fixed(result.get("level2_wake_s"), 3),
+                f"{flag(result.get('level1_bit_exact'))} / {flag(result.get('level2_bit_exact'))}",
+            ]
+        )
+    lines += table(
+        [
+            "configuration",
+            "engine start",
+            "level 1 sleep",
+            "level 1 wake",
+            "level 2 sleep",
+            "level 2 staged wake + reload",
+            "bit-exact L1 / L2",
+        ],
+        rows,
+    )
+
+    tags: list[str] = []
+    for result in results:
+        for state in ("awake", *[f"level{lv}_asleep" for lv in LEVELS]):
+            report = result.get(f"{state}_report") or {}
+            for tag in report.get("tags") or {}:
+                if tag not in tags:
+                    tags.append(tag)
+    ordered = [t for t in TAG_ORDER if t in tags] + sorted(t for t in tags if t not in TAG_ORDER)
+    if ordered:
+        lines += [
+            "",
+            'Per tag (MiB, allocator bookkeeping; "on host" = pinned host backup, '
+            '"-" = tag not used):',
+            "",
+        ]
+        rows = []
+        for result in results:
+            for state, label in (
+                ("awake", "awake"),
+                *[(f"level{lv}_asleep", f"asleep, level {lv}") for lv in LEVELS],
+            ):
+                report = result.get(f"{state}_report")
+                if not isinstance(report, dict):
+                    continue
+                per_tag = report.get("tags") or {}
+                host = report.get("host_bytes")
+                rows.append(
+                    [
+                        code(result["config"]),
+                        label,
+                        *[_tag_cell(per_tag.get(tag)) for tag in ordered],
+                        mib(host) if host is not None else "n/a",
+                    ]
+                )
+        lines += table(
+            ["configuration", "state", *ordered, "pinned host held"],
+            rows,
+        )
+
+    if summary:
+        groups = [r["config"] for r in results if r["config"] in summary]
+        series = [
+            (
+                f"level {lv}",
+                [float(summary[g].get(f"level{lv}_over_stock_eager_mib") or 0.0) for g in groups],
+            )
+            for lv in LEVELS
+        ]
+        unit, chart_title = "MiB", "GPU memory used while asleep, over stock --enforce-eager"
+    else:
+        groups = [r["config"] for r in results]
+        series = [
+            (f"level {lv}", [r[f"level{lv}_asleep_used_bytes"] / MIB for r in results])
+            for lv in LEVELS
+        ]
+        unit, chart_title = "MiB", "GPU memory used while asleep"
+    chart = f"{Path(name).stem}.svg"
+    charts[chart] = bar_chart(chart_title, unit, groups, series)
+    lines += ["", f"![{chart_title}]({chart})"]
+    return Section(title, name, lines, _platform_of(environment))
+
+
+# -- any other benchmark with a results list ------------------------------------------
+
+
+def is_generic_bench(data: Any) -> bool:
+    results = data.get("results") if isinstance(data, dict) else None
+    return (
+        isinstance(results, list)
+        and "command" in data
+        and bool(results)
+        and all(isinstance(r, dict) for r in results)
+    )
+
+
+def _scalar(value: Any) -> bool:
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return flag(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render_generic_bench(name: str, data: Json, charts: dict[str, str]) -> Section:
+    title = f"{data.get('benchmark') or Path(name).stem} ({name})"
+    environment = data.get("environment")
+    lines = [*provenance(data), *environment_lines(environment), ""]
+    columns: list[str] = []
+    for result in data["results"]:
+        for key, value in result.items():
+            if _scalar(value) and key not in columns:
+                columns.append(key)
+    rows = [[_cell(result.get(column, "")) for column in columns] for result in data["results"]]
+    lines += table(columns, rows)
+    return Section(title, name, lines, _platform_of(environment))
+
+
+RENDERERS: tuple[tuple[Callable[[Any], bool], Callable[..., Section]], ...] = (
+    (is_allocator_bench, render_allocator_bench),
+    (is_sleep_memory, render_sleep_memory),
+    (is_generic_bench, render_generic_bench),
+)
+
+
+# -- the page ---------------------------------------------------------------------
+
+
+def _page_title(path: Path) -> str:
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return path.stem
+
+
+def render(results_dir: Path) -> dict[str, str]:
+    """Everything this script writes: file name -> content."""
+    charts: dict[str, str] = {}
+    sections: list[Section] = []
+    unrecognised: list[str] = []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            unrecognised.append(path.name)
+            continue
+        for matches, renderer in RENDERERS:
+            if matches(data):
+                sections.append(renderer(path.name, data, charts))
+                break
+        else:
+            unrecognised.append(path.name)
+
+    outputs = {INDEX, *charts}
+    pages = sorted(p for p in results_dir.glob("*.md") if p.name not in outputs and p.is_file())
+    others = sorted(
+        p.name
+        for p in results_dir.iterdir()
+        if p.is_file()
+        and p.suffix not in (".json", ".md")
+        and p.name not in outputs
+        and not p.name.startswith(".")
+    )
+
+    # A hand-written page that names a data file describes that run; say so where
+    # the file itself does not record its hardware and versions.
+    page_texts = {page.name: page.read_text(encoding="utf-8") for page in pages}
+    for section in sections:
+        describing = [name for name, text in page_texts.items() if section.source in text]
+        if describing:
+            links = ", ".join(f"[{name}]({name})" for name in describing)
+            section.lines = [
+                line.replace(NOT_RECORDED, f"{NOT_RECORDED[:-1]}; {links} describes this run.")
+                for line in section.lines
+            ]
+
+    rocm_runs = [s.source for s in sections if s.gpu_platform == "rocm"]
+    lines = [
+        "# Measured results",
+        "",
+        "<!-- Generated by tools/render_results.py from the data files in this folder. "
+        "Do not edit by hand: run `python tools/render_results.py`. -->",
+        "",
+        "Every table below is rendered from a JSON file in this folder, written by the command "
+        "shown with it on the hardware shown with it. `python tools/render_results.py` "
+        "regenerates this page and its charts; `tests/unit/test_render_results.py` fails when "
+        "they are out of date.",
+        "",
+    ]
+    if rocm_runs:
+        lines.append(
+            "**ROCm**: measured on AMD hardware in " + ", ".join(code(s) for s in rocm_runs) + "."
+        )
+    else:
+        lines.append(
+            "**ROCm is untested on hardware.** None of these results ran on an AMD GPU: the "
+            "ROCm build is compiled and linked in CI and its logic is tested on CPU with fakes, "
+            "nothing more."
+        )
+    lines += ["", "## Contents", ""]
+    for section in sections:
+        lines.append(f"- [{section.title}](#{anchor(section.title)})")
+    for page in pages:
+        lines.append(f"- [{_page_title(page)}]({page.name}) (hand-written)")
+    if others:
+        lines.append("- Other files: " + ", ".join(f"[{n}]({n})" for n in others))
+    if unrecognised:
+        lines.append(
+            "- Not rendered (format not recognised): "
+            + ", ".join(f"[{n}]({n})" for n in unrecognised)
+        )
+    for section in sections:
+        lines += [
+            "",
+            f"## {section.title}",
+            "",
+            f"Data: [{section.source}]({section.source})",
+            "",
+            *section.lines,
+        ]
+    return {INDEX: "\n".join(lines) + "\n", **dict(sorted(charts.items()))}
+
+
+def stale(outputs: dict[str, str], directory: Path) -> list[str]:
+    return [
+        name
+        for name, text in outputs.items()
+        if not (directory / name).is_file()
+        or (directory / name).read_text(encoding="utf-8") != text
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="folder of data files")
+    parser.add_argument("--out", type=Path, help="output folder (default: --results)")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if the output is stale"
+    )
+    args = parser.parse_args(argv)
+    outputs = render(args.results)
+    out = args.out or args.results
+    if args.check:
+        names = stale(outputs, out)
+        if names:
+            print(
+                f"out of date in {out}: {', '.join(names)}; run python tools/render_results.py",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in outputs.items():
+        (out / name).write_text(text, encoding="utf-8")
+        print(out / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
