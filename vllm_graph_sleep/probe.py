@@ -6,6 +6,7 @@ it, and returns plain data.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ def memory_report(worker: Any) -> dict[str, Any]:
         "driver_free_bytes": free,
         "driver_total_bytes": total,
         "torch_reserved_bytes": torch.cuda.memory_reserved(),
-        "nccl_graph_register": __import__("os").environ.get(config.NCCL_GRAPH_REGISTER),
+        "nccl_graph_register": os.environ.get(config.NCCL_GRAPH_REGISTER),
+        "custom_all_reduce": custom_all_reduce_mode(),
     }
     if GraphSleepAllocator._instance is not None:
         allocator = GraphSleepAllocator._instance
@@ -41,3 +43,29 @@ def memory_report(worker: Any) -> dict[str, Any]:
         report["allocator"] = "vllm"
         report["tags"] = tags
     return report
+
+
+def custom_all_reduce_mode() -> str:
+    """How vLLM's custom all-reduce of this worker's TP group treats graph
+    inputs: "off" (absent or disabled), "copy-in" (graph offload on: inputs are
+    copied into its own registered buffer) or "registered" (stock)."""
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        return "off"
+    communicator = get_tp_group().device_communicator
+    custom = getattr(communicator, "ca_comm", None)
+    if custom is None or custom.disabled:
+        return "off"
+    return "copy-in" if config.is_active() else "registered"
+
+
+class ProbeWorkerExtension:
+    """`--worker-extension-cls vllm_graph_sleep.probe.ProbeWorkerExtension` makes
+    the report callable by name, e.g. over HTTP: `POST /collective_rpc` with
+    `{"method": "graph_sleep_memory_report"}` (dev mode) returns one report per
+    worker. vLLM mixes this class into the worker class and asserts that its
+    attribute names are new there, hence the prefixed name."""
+
+    def graph_sleep_memory_report(self) -> dict[str, Any]:
+        return memory_report(self)

@@ -1,0 +1,212 @@
+"""A stand-in for `vllm serve` in dev mode, for the bench's CPU tests (stdlib only).
+
+    python fake_vllm_server.py --port P --config NAME --used-file PATH
+
+It answers what the bench calls: /health, /v1/models, /v1/completions (greedy,
+with token ids), /sleep, /wake_up, /is_sleeping, /collective_rpc
+(graph_sleep_memory_report, reload_weights), and keeps a simulated "GPU used
+bytes" figure in --used-file, which the tests' fake NVML reads. The figures
+follow the memory layout of each configuration: stock keeps its graphs while
+asleep, ours and eager do not.
+
+Level 2 discards the weights: until reload_weights runs, completions come out
+wrong, as they would on a real server. Environment switches for failure tests:
+FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_DIE_ON_SLEEP=1 (the
+process exits on the first /sleep), FAKE_START_DELAY=S (seconds before /health
+answers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+MiB = 2**20
+IDLE = 500 * MiB  # what the fake NVML reports with no server (tests read the same)
+CONTEXT = 400 * MiB
+SIZES = {"weights": 200 * MiB, "kv_cache": 2000 * MiB, "cudagraph": 500 * MiB}
+
+
+class State:
+    def __init__(self, config: str, used_file: Path):
+        self.config = config
+        self.used_file = used_file
+        self.graphs = 0 if config == "stock_eager" else SIZES["cudagraph"]
+        self.mapped = {"weights": True, "kv_cache": True}
+        self.weights_valid = True
+        self.level = 0
+        self.corrupt = os.environ.get("FAKE_CORRUPT") == "1"
+        self.woken_once = False
+        self.write()
+
+    def graph_resident(self) -> bool:
+        # Stock keeps graphs on the GPU at every level; ours backs them up while
+        # everything sleeps and restores them with the first tag that wakes.
+        return self.config != "ours" or any(self.mapped.values())
+
+    def used(self) -> int:
+        total = IDLE + CONTEXT
+        total += sum(SIZES[t] for t, on in self.mapped.items() if on)
+        if self.graph_resident():
+            total += self.graphs
+        return total
+
+    def write(self) -> None:
+        tmp = self.used_file.with_suffix(".tmp")
+        tmp.write_text(str(self.used()))
+        tmp.replace(self.used_file)
+
+    def report(self) -> dict:
+        tags = {}
+        for tag, on in self.mapped.items():
+            size = SIZES[tag]
+            if self.config == "ours":
+                kept = tag == "weights" and self.level == 1
+                tags[tag] = {
+                    "mapped": size if on else 0,
+                    "backed_up": 0 if on or not kept else size,
+                    "dropped": 0 if on or kept else size,
+                }
+            else:
+                tags[tag] = {"mapped": size if on else 0, "asleep": 0 if on else size}
+        report = {
+            "graph_offload_active": self.config == "ours",
+            "driver_free_bytes": 140 * 1024 * MiB - self.used(),
+            "driver_total_bytes": 140 * 1024 * MiB,
+            "tags": tags,
+            "allocator": "vllm",
+        }
+        if self.config == "ours":
+            resident = self.graph_resident()
+            tags["cudagraph"] = {
+                "mapped": self.graphs if resident else 0,
+                "backed_up": 0 if resident else self.graphs,
+                "dropped": 0,
+            }
+            report["allocator"] = "vllm_graph_sleep"
+            report["host_bytes"] = sum(t["backed_up"] for t in tags.values())
+        return report
+
+    def tokens(self, prompt: str, count: int) -> list[int]:
+        seed = hashlib.sha256(prompt.encode()).digest()
+        ids = [(seed[i % 32] * 31 + i * 7) % 4096 for i in range(count)]
+        if not self.weights_valid or (self.corrupt and self.woken_once):
+            ids = [(i + 1) % 4096 for i in ids]
+        return ids
+
+
+class Handler(BaseHTTPRequestHandler):
+    state: State
+    ready_at: float
+
+    def log_message(self, fmt, *args):  # into the log file, like a server
+        sys.stdout.write("fake-vllm: " + (fmt % args) + "\n")
+        sys.stdout.flush()
+
+    def _send(self, code: int, body: object = None) -> None:
+        raw = b"" if body is None else json.dumps(body).encode()
+        self.send_response(code)
+        if body is not None:
+            self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _body(self) -> dict:
+        length = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(length) or b"{}")
+
+    def do_GET(self):  # noqa: N802
+        path = urllib.parse.urlparse(self.path).path
+        if path == "/health":
+            self._send(200 if time.monotonic() >= self.ready_at else 503)
+        elif path == "/v1/models":
+            self._send(200, {"data": [{"id": "fake-model"}]})
+        elif path == "/is_sleeping":
+            self._send(200, {"is_sleeping": not all(self.state.mapped.values())})
+        else:
+            self._send(404, {"error": path})
+
+    def do_POST(self):  # noqa: N802
+        url = urllib.parse.urlparse(self.path)
+        query = urllib.parse.parse_qs(url.query)
+        state = self.state
+        if url.path == "/v1/completions":
+            body = self._body()
+            if not all(state.mapped.values()):
+                self._send(503, {"error": "asleep"})
+                return
+            assert body.get("return_token_ids") is True and body.get("temperature") == 0
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+            count = body["max_tokens"]
+            time.sleep(0.002 + 0.0002 * count)
+            choices = [
+                {"index": i, "text": f"<{i}>", "token_ids": state.tokens(p, count)}
+                for i, p in enumerate(prompts)
+            ]
+            usage = {"completion_tokens": count * len(prompts)}
+            self._send(200, {"choices": choices, "usage": usage})
+        elif url.path == "/sleep":
+            if os.environ.get("FAKE_DIE_ON_SLEEP") == "1":
+                sys.stdout.write("fake-vllm: dying on /sleep as asked\n")
+                sys.stdout.flush()
+                state.used_file.unlink(missing_ok=True)  # the driver frees a dead process
+                os._exit(7)
+            level = int(query.get("level", ["1"])[0])
+            state.level = level
+            state.mapped = {"weights": False, "kv_cache": False}
+            if level == 2:
+                state.weights_valid = False
+            time.sleep(0.01)
+            state.write()
+            self._send(200)
+        elif url.path == "/wake_up":
+            for tag in query.get("tags") or list(state.mapped):
+                state.mapped[tag] = True
+            state.woken_once = True
+            time.sleep(0.01)
+            state.write()
+            self._send(200)
+        elif url.path == "/collective_rpc":
+            method = self._body().get("method")
+            if method == "graph_sleep_memory_report":
+                self._send(200, {"results": [state.report()]})
+            elif method == "reload_weights":
+                state.weights_valid = True
+                self._send(200, {"results": [None]})
+            else:
+                self._send(500, {"error": f"no method {method}"})
+        else:
+            self._send(404, {"error": url.path})
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--used-file", type=Path, required=True)
+    args = parser.parse_args()
+    print(f"fake-vllm: serving {args.config} on {args.port}", flush=True)
+    Handler.state = State(args.config, args.used_file)
+    Handler.ready_at = time.monotonic() + float(os.environ.get("FAKE_START_DELAY", "0.3"))
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    try:
+        server.serve_forever(poll_interval=0.05)
+    finally:
+        args.used_file.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import signal
+
+    # Like vLLM: SIGTERM shuts down cleanly (frees the "GPU" memory).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    sys.exit(main())

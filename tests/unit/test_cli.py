@@ -1,0 +1,630 @@
+"""`vllm-graph-sleep bench` and `doctor` on the CPU.
+
+- bench: argument handling; the `vllm serve` command and environment of each
+  configuration; the table and plot writers on recorded data
+  (tests/unit/data/bench-results-fixture.json, fixture numbers shaped after
+  docs/results/sleep-memory-h200.json, not a measurement); the no-GPU exit (in a
+  subprocess: one line, no traceback); and the whole driver loop against
+  tests/unit/fake_vllm_server.py with a fake NVML, including a server that does
+  not start, one that dies, one that is never healthy and tokens that differ.
+- doctor: vLLM's own `vllm serve` parser with the plugin registered, judged for
+  CUDA and ROCm plans and for the machine it runs on (no GPU here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit import fake_aiter
+from tests.unit.fake_vllm_server import IDLE
+from vllm_graph_sleep import cli, doctor
+from vllm_graph_sleep.bench import gpu, report, runner
+from vllm_graph_sleep.bench.plot import write_plot
+from vllm_graph_sleep.bench.server import PROBE_EXTENSION, serve_command, server_env
+from vllm_graph_sleep.bench.settings import BenchSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).parent / "data"
+FIXTURE = DATA / "bench-results-fixture.json"
+FAKE_SERVER = Path(__file__).parent / "fake_vllm_server.py"
+MiB = 2**20
+
+
+def bench_settings(argv: list[str]) -> BenchSettings:
+    return cli.settings_from(cli.build_parser().parse_args(["bench", *argv]))
+
+
+# -- bench: arguments ------------------------------------------------------------
+
+
+def test_bench_defaults():
+    s = bench_settings([])
+    assert s.model is None and s.model_kind == "llama"
+    assert (s.tp, s.cycles, s.gpu_memory_utilization) == (1, 2, 0.3)
+    assert s.levels == (1, 2)
+    assert s.wakes == ("full", "staged")
+    assert s.configs == ("ours", "stock_graphs", "stock_eager")
+    assert s.out is None and s.serve_args == ()
+
+
+def test_bench_lists_take_commas_and_spaces_keep_order_and_drop_repeats(tmp_path):
+    s = bench_settings(
+        [
+            "--model",
+            str(tmp_path),
+            "--tp",
+            "2",
+            "--cycles",
+            "5",
+            "--levels",
+            "2,1",
+            "--configs",
+            "stock_eager",
+            "ours,stock_eager",
+            "--wakes",
+            "staged",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--serve-args",
+            "--dtype bfloat16 --block-size 32",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
+    assert s.model == str(tmp_path)
+    assert (s.tp, s.cycles, s.gpu_memory_utilization) == (2, 5, 0.5)
+    assert s.levels == (1, 2)
+    assert s.configs == ("stock_eager", "ours")
+    assert s.wakes == ("staged",)
+    assert s.serve_args == ("--dtype", "bfloat16", "--block-size", "32")
+    assert s.out == tmp_path / "o"
+    assert s.steps()[:3] == [(0, 1, "staged"), (0, 2, "staged"), (1, 1, "staged")]
+    assert len(s.steps()) == 5 * 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["--levels", "3"], "'3' is not one of 1, 2"),
+        (["--configs", "ours,vanilla"], "'vanilla' is not one of ours, stock_graphs, stock_eager"),
+        (["--wakes", "lazy"], "'lazy' is not one of full, staged"),
+        (["--tp", "0"], "must be at least 1"),
+        (["--cycles", "0"], "must be at least 1"),
+        (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+        (["--model-kind", "gpt"], "invalid choice"),
+    ],
+)
+def test_bench_rejects_bad_arguments(argv, complaint, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", *argv])
+    assert exit_info.value.code == cli.EXIT_USAGE
+    assert complaint in capsys.readouterr().err
+
+
+def test_no_subcommand_prints_help_and_fails(capsys):
+    assert cli.main([]) == cli.EXIT_USAGE
+    assert "{bench,doctor}" in capsys.readouterr().out
+
+
+def test_bench_model_dir_must_be_a_model(tmp_path):
+    settings = BenchSettings(model=str(tmp_path / "missing"))
+    with pytest.raises(runner.BenchError, match="not a model directory"):
+        runner.resolve_model(settings, print)
+
+
+@pytest.mark.parametrize("config", ["ours", "stock_graphs", "stock_eager"])
+def test_serve_command_per_config(config):
+    command = serve_command(
+        config, "/m", 8123, tp=2, gpu_memory_utilization=0.4, max_model_len=512, extra=("--x",)
+    )
+    assert command[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/m"]
+    text = " ".join(command)
+    for expected in (
+        "--port 8123",
+        "--enable-sleep-mode",
+        "--tensor-parallel-size 2",
+        "--gpu-memory-utilization 0.4",
+        "--max-model-len 512",
+        f"--worker-extension-cls {PROBE_EXTENSION}",
+    ):
+        assert expected in text
+    assert ("--sleep-mode-offload-cudagraph" in command) == (config == "ours")
+    assert ("--enforce-eager" in command) == (config == "stock_eager")
+    assert command[-1] == "--x"
+
+
+@pytest.mark.parametrize("config", ["ours", "stock_graphs", "stock_eager"])
+def test_serve_command_is_what_vllm_serve_parses(config):
+    """The arguments go through vLLM 0.26's own `vllm serve` parser (plugin on)."""
+    doctor._allow_parsing_without_gpu(doctor.detect_platform())
+    command = serve_command(
+        config, "/m", 8123, tp=1, gpu_memory_utilization=0.3, max_model_len=1024
+    )
+    engine_args = doctor.parse_serve_args(command[4:])
+    assert engine_args.model == "/m"
+    assert engine_args.enable_sleep_mode is True
+    assert engine_args.worker_extension_cls == PROBE_EXTENSION
+    assert (engine_args.max_model_len, engine_args.seed) == (1024, 0)
+    assert engine_args.enforce_eager is (config == "stock_eager")
+    flag = (engine_args.additional_config or {}).get("sleep_mode_offload_cudagraph", False)
+    assert flag is (config == "ours")
+
+
+def test_probe_extension_is_importable_by_its_qualified_name():
+    import importlib
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    module, name = PROBE_EXTENSION.rsplit(".", 1)
+    extension = getattr(importlib.import_module(module), name)
+    methods = [a for a in dir(extension) if not a.startswith("__")]
+    assert methods == ["graph_sleep_memory_report"]
+    assert not any(hasattr(Worker, m) for m in methods)  # vLLM asserts this at start
+
+
+def test_server_env_turns_dev_mode_on_and_keeps_the_rest():
+    env = server_env({"NCCL_NVLS_ENABLE": "0", "VLLM_USE_FLASHINFER_SAMPLER": "1"})
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["NCCL_NVLS_ENABLE"] == "0"
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "1"  # a value the user set is kept
+    assert server_env({})["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+
+
+def test_visible_gpu_ids():
+    assert gpu.visible_gpu_ids({}) is None
+    assert gpu.visible_gpu_ids({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert gpu.visible_gpu_ids({"CUDA_VISIBLE_DEVICES": "2, GPU-abc"}) == ["2", "GPU-abc"]
+
+
+# -- bench: report and plot on recorded data ----------------------------------------
+
+
+@pytest.fixture
+def recorded() -> dict:
+    return report.read_json(FIXTURE)
+
+
+def test_summary_of_recorded_data(recorded):
+    summary = report.summarize_all(recorded)
+    assert list(summary) == ["ours", "stock_graphs", "stock_eager"]
+    ours, stock = summary["ours"], summary["stock_graphs"]
+    assert ours["asleep_mib"]["1"] == [pytest.approx(1104)]
+    assert stock["asleep_mib"]["1"] == [pytest.approx(1256)]
+    assert summary["stock_eager"]["asleep_mib"]["2"] == [pytest.approx(964)]
+    assert ours["tags_awake_mib"]["cudagraph"] == [pytest.approx(152)]
+    assert "cudagraph" not in stock["tags_awake_mib"]
+    assert ours["host_backup_mib"] == {"1": [pytest.approx(392)], "2": [pytest.approx(152)]}
+    assert stock["host_backup_mib"] == {}
+    assert ours["sleep_ms"]["1"] == pytest.approx(236)
+    assert set(ours["wake_ms"]) == {"1 full", "1 staged", "2 full", "2 staged"}
+    assert ours["reload_ms"] == pytest.approx(210)
+    assert ours["exact"] == [4, 4]
+
+
+def test_table_of_recorded_data(recorded):
+    table = report.format_table(recorded)
+    lines = table.splitlines()
+    assert lines[0].split() == ["ours", "(graph", "offload)", "stock,", "graphs", "stock,", "eager"]
+    row = next(line for line in lines if line.startswith("asleep L1, over idle GPU"))
+    assert "1104 (0.88x)" in row and "964 (0.77x)" in row
+    assert "tag cudagraph, awake (MiB)" in table
+    assert "bit-exact after wake" in table and "4/4" in table
+    assert "ratios: against stock, graphs" in table
+    assert report.not_exact(recorded) == []
+
+
+def test_table_ratios_fall_back_to_stock_eager_and_flag_differences(recorded):
+    recorded["configs"] = [c for c in recorded["configs"] if c["config"] != "stock_graphs"]
+    recorded["configs"][0]["steps"][1]["bit_exact"] = False
+    table = report.format_table(recorded)
+    assert "ratios: against stock, eager" in table
+    assert "3/4 DIFFER" in table
+    assert report.not_exact(recorded) == ["ours"]
+
+
+def test_plot_of_recorded_data(recorded, tmp_path):
+    png = write_plot(recorded, tmp_path / "memory.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def two_gpus(results: dict) -> dict:
+    """The recorded single-GPU run as if tp were 2 (GPU 1 holds 10 MiB more)."""
+    extra = 10 * MiB
+
+    def widen(values: list) -> list:
+        return [values[0], values[0] + extra]
+
+    results["settings"]["tp"] = 2
+    results["host"]["gpus"] = ["NVIDIA H200", "NVIDIA H200"]
+    for record in results["configs"]:
+        for key in ("baseline_used_bytes", "awake_used_bytes", "after_stop_used_bytes"):
+            record[key] = [record[key][0]] * 2
+        record["awake_report"] = record["awake_report"] * 2
+        record["samples"]["used_bytes"] = [
+            record["samples"]["used_bytes"][0],
+            [u + extra for u in record["samples"]["used_bytes"][0]],
+        ]
+        for step in record["steps"]:
+            step["asleep_used_bytes"] = widen(step["asleep_used_bytes"])
+            step["awake_used_bytes"] = widen(step["awake_used_bytes"])
+            step["asleep_report"] = step["asleep_report"] * 2
+    return results
+
+
+def test_table_and_plot_per_gpu(recorded, tmp_path):
+    results = two_gpus(recorded)
+    summary = report.summarize_all(results)["ours"]
+    assert summary["asleep_mib"]["1"] == [pytest.approx(1104), pytest.approx(1114)]
+    assert summary["tags_awake_mib"]["cudagraph"] == [pytest.approx(152)] * 2
+    table = report.format_table(results)
+    assert "asleep L1, over idle GPU (MiB) gpu0" in table
+    assert "asleep L1, over idle GPU (MiB) gpu1" in table
+    assert write_plot(results, tmp_path / "two.png").stat().st_size > 30_000
+
+
+def test_report_option_redraws_a_recorded_file(tmp_path, capsys):
+    assert cli.main(["bench", "--report", str(FIXTURE), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "asleep L1, over idle GPU (MiB)" in out
+    assert (tmp_path / "bench-results-fixture.png").stat().st_size > 20_000
+    assert (tmp_path / "bench-results-fixture.table.txt").read_text().startswith(" ")
+
+
+def test_report_option_merges_runs_of_different_configs(recorded, tmp_path, capsys):
+    first, second = dict(recorded), dict(recorded)
+    first["configs"] = recorded["configs"][:1]
+    second["configs"] = recorded["configs"][1:]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for part, path in zip([first, second], paths, strict=True):
+        report.write_json(part, path)
+    assert cli.main(["bench", "--report", *map(str, paths)]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [c["config"] for c in merged["configs"]] == ["ours", "stock_graphs", "stock_eager"]
+    assert merged["merged_from"] == [str(p) for p in paths]
+    assert "1104 (0.88x)" in capsys.readouterr().out
+    assert (tmp_path / "merged.png").exists()
+    assert cli.main(["bench", "--report", str(paths[0]), str(paths[0])]) == cli.EXIT_USAGE
+    assert "'ours' is in more than one file" in capsys.readouterr().err
+
+
+def test_report_option_refuses_other_json(tmp_path, capsys):
+    other = tmp_path / "x.json"
+    other.write_text(json.dumps({"schema": "something-else"}))
+    assert cli.main(["bench", "--report", str(other)]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vllm-graph-sleep bench: cannot use") and "\n" not in err
+
+
+# -- bench: the no-GPU path, in a subprocess ------------------------------------------
+
+
+def test_bench_without_gpu_stops_with_one_line(tmp_path):
+    # CUDA_VISIBLE_DEVICES="" hides every GPU, so this holds on a GPU machine too.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_graph_sleep.cli", "bench", "--out", str(tmp_path / "o")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == cli.EXIT_FAILED
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("vllm-graph-sleep bench: no NVIDIA GPU")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()  # stopped before anything was made
+
+
+# -- bench: the driver loop against a fake server ---------------------------------------
+
+
+class FakeMemory:
+    """NVML stand-in: the fake server writes its simulated used bytes to a file."""
+
+    gpus = ["Fake GPU"]
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def used(self) -> list[int]:
+        try:
+            return [int(self.path.read_text())]
+        except (OSError, ValueError):
+            return [IDLE]
+
+
+@pytest.fixture
+def fake_bench(tmp_path, monkeypatch):
+    """Routes `vllm-graph-sleep bench` to the fake server and the fake NVML."""
+    used = tmp_path / "used"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+
+    def command(name, model_dir, port, settings):
+        return [sys.executable, str(FAKE_SERVER), "--port", str(port), "--config", name]
+
+    def fake_command(name, model_dir, port, settings):
+        return command(name, model_dir, port, settings) + ["--used-file", str(used)]
+
+    monkeypatch.setattr(runner, "real_command", fake_command)
+    monkeypatch.setattr(gpu, "NvmlMemory", lambda count: FakeMemory(used))
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(model), "--out", str(out), "--cycles", "1"]
+    argv += ["--decode-tokens", "8", "--max-tokens", "4"]
+    return argv, out
+
+
+def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
+    argv, out = fake_bench
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert "asleep L1, over idle GPU (MiB)" in captured.out
+    assert "[ours] 4/4 level 2, staged wake" in captured.err  # progress
+    results = json.loads((out / "results.json").read_text())
+    assert results["schema"] == report.SCHEMA
+    by_name = {c["config"]: c for c in results["configs"]}
+    assert list(by_name) == ["ours", "stock_graphs", "stock_eager"]
+    for record in by_name.values():
+        assert [(s["level"], s["wake"]) for s in record["steps"]] == [
+            (1, "full"),
+            (1, "staged"),
+            (2, "full"),
+            (2, "staged"),
+        ]
+        assert all(s["bit_exact"] and s["is_sleeping_asleep"] for s in record["steps"])
+        assert not any(s["is_sleeping_awake"] for s in record["steps"])
+        assert all(s["is_sleeping_staged"] for s in record["steps"] if s["wake"] == "staged")
+        assert record["after_stop_used_bytes"] == [IDLE]
+        assert record["server_exit_code"] is not None
+        assert record["awake_report"][0]["tags"]["weights"]["mapped"] == 200 * MiB
+        assert record["samples"]["t"] and record["events"][0]["kind"] == "ready"
+        assert (out / f"{record['config']}.server.log").read_text().startswith("$ ")
+    summary = results["summary"]
+    assert summary["ours"]["asleep_mib"]["1"] == [400]  # graphs offloaded
+    assert summary["stock_graphs"]["asleep_mib"]["1"] == [900]  # graphs stay
+    assert summary["ours"]["tags_awake_mib"]["cudagraph"] == [500]
+    assert (out / "memory.png").stat().st_size > 20_000
+    assert (out / "table.txt").read_text() in captured.out
+
+
+def _one_line_failure(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("vllm-graph-sleep bench: ")
+    return last
+
+
+def test_bench_server_that_does_not_start(fake_bench, monkeypatch, capsys):
+    argv, out = fake_bench
+    monkeypatch.setattr(
+        runner,
+        "real_command",
+        lambda *a: [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"],
+    )
+    assert cli.main(argv) == cli.EXIT_FAILED
+    line = _one_line_failure(capsys)
+    log = out / "ours.server.log"
+    assert "[ours] vllm serve exited with code 3 before it was healthy" in line
+    assert line.endswith(f"server log: {log}")
+    assert "no such model" in log.read_text()
+    partial = json.loads((out / "results.json").read_text())
+    assert partial["configs"][0]["error"] in line
+
+
+def test_bench_server_that_dies_is_reported_and_stopped(fake_bench, monkeypatch, capsys):
+    argv, out = fake_bench
+    monkeypatch.setenv("FAKE_DIE_ON_SLEEP", "1")
+    assert cli.main(argv) == cli.EXIT_FAILED
+    line = _one_line_failure(capsys)
+    assert "[ours] POST /sleep?level=1 failed" in line
+    assert line.endswith(f"server log: {out / 'ours.server.log'}")
+
+
+def test_bench_server_never_healthy_is_killed(fake_bench, monkeypatch, capsys):
+    argv, out = fake_bench
+    monkeypatch.setenv("FAKE_START_DELAY", "60")
+    assert cli.main([*argv, "--start-timeout", "1"]) == cli.EXIT_FAILED
+    line = _one_line_failure(capsys)
+    assert "[ours] vllm serve was not healthy after 1 s (--start-timeout)" in line
+    record = json.loads((out / "results.json").read_text())["configs"][0]
+    assert record["server_exit_code"] is not None  # stopped, not left running
+
+
+def test_bench_tokens_that_differ_fail_the_run(fake_bench, monkeypatch, capsys):
+    argv, out = fake_bench
+    monkeypatch.setenv("FAKE_CORRUPT", "1")
+    assert cli.main([*argv, "--configs", "ours", "--levels", "1"]) == cli.EXIT_NOT_EXACT
+    line = _one_line_failure(capsys)
+    assert line.endswith("differ from before the first sleep in: ours")
+    step = json.loads((out / "results.json").read_text())["configs"][0]["steps"][0]
+    assert step["bit_exact"] is False and step["mismatch"]["first_token"] == 0
+
+
+# -- doctor ----------------------------------------------------------------------------
+
+
+def run_doctor(capsys, *argv: str) -> tuple[int, str]:
+    code = doctor.main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def line_of(out: str, label: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(label))
+
+
+ACTIVE = ("m", "--enable-sleep-mode", "--sleep-mode-offload-cudagraph")
+
+
+@pytest.fixture(autouse=True)
+def _clean_doctor_env(monkeypatch):
+    for name in ("NCCL_GRAPH_REGISTER", "VLLM_ROCM_USE_AITER", "VLLM_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_doctor_split_args():
+    assert doctor.split_args(["serve", "m", "--platform", "rocm", "-tp", "2"]) == (
+        "rocm",
+        ["m", "-tp", "2"],
+        False,
+    )
+    assert doctor.split_args(["--platform=cuda", "--help"]) == ("cuda", [], True)
+    with pytest.raises(doctor.DoctorUsageError, match="choose one of"):
+        doctor.split_args(["--platform", "tpu"])
+    with pytest.raises(doctor.DoctorUsageError, match="needs a value"):
+        doctor.split_args(["--platform"])
+
+
+def test_doctor_active_on_cuda(capsys):
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, "-tp", "2")
+    assert code == 0, out
+    assert line_of(out, "graph offload").split()[2] == "ACTIVE:"
+    assert "keeps cudagraph, default, weights; drops kv_cache" in line_of(out, "  level 1")
+    assert "keeps cudagraph, default; drops kv_cache, weights" in line_of(out, "  level 2")
+    assert "0 (set by the plugin" in line_of(out, "NCCL_GRAPH_REGISTER")
+    assert "copy-in under capture" in line_of(out, "custom all-reduce")
+    assert "vllm 0.26.0" in line_of(out, "versions")
+    assert line_of(out, "verdict").split()[-1] == "OK"
+
+
+def test_doctor_additional_config_turns_it_on_too(capsys):
+    extra = '{"sleep_mode_offload_cudagraph": true}'
+    code, out = run_doctor(
+        capsys, "--platform", "cuda", "m", "--enable-sleep-mode", "--additional-config", extra
+    )
+    assert code == 0 and "ACTIVE" in line_of(out, "graph offload")
+
+
+def test_doctor_not_requested_is_stock_and_fine(capsys):
+    code, out = run_doctor(capsys, "--platform", "cuda", "m", "--enable-sleep-mode")
+    assert code == 0
+    assert "not requested" in line_of(out, "graph offload")
+    assert "CUDA graphs stay on the GPU (stock)" in line_of(out, "  level 1")
+    assert "unset: NCCL's default" in line_of(out, "NCCL_GRAPH_REGISTER")
+
+
+def test_doctor_flag_without_sleep_mode(capsys):
+    code, out = run_doctor(capsys, "--platform", "cuda", "m", "--sleep-mode-offload-cudagraph")
+    assert code == 1
+    assert "OFF: sleep mode is off" in line_of(out, "graph offload")
+    assert "fix: add --enable-sleep-mode" in out
+    assert "CANNOT WORK" in line_of(out, "verdict")
+
+
+def test_doctor_flag_with_enforce_eager(capsys):
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, "--enforce-eager")
+    assert code == 1
+    assert line_of(out, "CUDA graphs").split()[2:] == ["off:", "--enforce-eager"]
+    assert "fix: drop --enforce-eager" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "fix"),
+    [
+        (("-cc.cudagraph_mode=none",), "drop cudagraph_mode NONE"),
+        (("-O0",), "use -O1 or higher"),
+    ],
+)
+def test_doctor_flag_with_graphs_off_otherwise(capsys, args, fix):
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, *args)
+    assert code == 1 and f"fix: {fix}" in out
+
+
+def test_doctor_plans_rocm_with_vllm_custom_all_reduce(capsys):
+    code, out = run_doctor(capsys, "--platform", "rocm", *ACTIVE, "-tp", "8")
+    assert code == 0, out
+    assert line_of(out, "platform").split()[1] == "rocm"
+    mode = line_of(out, "custom all-reduce")
+    assert "vLLM custom all-reduce, copy-in under capture" in mode and "QuickReduce" in mode
+
+
+def test_doctor_plans_rocm_with_aiter(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
+    code, out = run_doctor(capsys, "--platform", "rocm", *ACTIVE, "-tp", "2")
+    assert "AITER custom all-reduce, copy-in under capture" in line_of(out, "custom all-reduce")
+    if "aiter" not in sys.modules:
+        assert code == 0
+        assert "AITER is not installed here" in line_of(out, "warning")
+    fake_aiter.install(monkeypatch)
+    code, out = run_doctor(capsys, "--platform", "rocm", *ACTIVE, "-tp", "2")
+    assert code == 0, out
+    fake_aiter.install(monkeypatch, old=True)
+    code, out = run_doctor(capsys, "--platform", "rocm", *ACTIVE, "-tp", "2")
+    assert code == 1
+    assert "no enable_register_for_capturing" in out
+    assert "fix: upgrade AITER (amd-aiter), or add --disable-custom-all-reduce" in out
+
+
+def test_doctor_disable_custom_all_reduce(capsys):
+    code, out = run_doctor(
+        capsys, "--platform", "cuda", *ACTIVE, "-tp", "2", "--disable-custom-all-reduce"
+    )
+    assert code == 0
+    assert "disabled by --disable-custom-all-reduce" in line_of(out, "custom all-reduce")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1", "1 (from your environment, kept; WARNING"),
+        ("0", "0 (from your environment, as the plugin wants)"),
+    ],
+)
+def test_doctor_keeps_an_explicit_nccl_value(capsys, monkeypatch, value, expected):
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", value)
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 0
+    assert expected in line_of(out, "NCCL_GRAPH_REGISTER")
+    assert os.environ["NCCL_GRAPH_REGISTER"] == value  # the doctor changes nothing
+
+
+def test_doctor_vllm_plugins_without_ours(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "someone_else")
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 1 and "fix: add graph_sleep to VLLM_PLUGINS, or unset it" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
+def test_doctor_on_this_gpu_less_machine(capsys):
+    code, out = run_doctor(capsys, *ACTIVE)
+    assert code == 1
+    assert "detected on this machine" in line_of(out, "platform")
+    assert "add --platform cuda or --platform rocm" in out
+
+
+def test_doctor_rejects_what_vllm_serve_rejects(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        doctor.main(["--platform", "cuda", "m", "--no-such-vllm-flag"])
+    assert exit_info.value.code == 2
+    assert "--no-such-vllm-flag" in capsys.readouterr().err
+
+
+def test_doctor_help(capsys):
+    code, out = run_doctor(capsys, "--help")
+    assert code == 0 and out.startswith("usage: vllm-graph-sleep doctor")
+
+
+def test_doctor_command_line_is_quiet_and_clean():
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_graph_sleep.cli", "doctor", "--platform", "cuda", *ACTIVE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("vllm-graph-sleep doctor\n")
+    assert "ACTIVE" in result.stdout
+    assert "Traceback" not in result.stderr

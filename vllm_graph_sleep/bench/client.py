@@ -1,0 +1,151 @@
+"""The HTTP calls the bench makes to one `vllm serve` (dev mode on).
+
+Completions ask for `return_token_ids` (vLLM 0.26's CompletionRequest extra
+field): each choice then carries the generated token ids, which is what the
+bit-exactness check compares. Every failure becomes a one-line ServerError that
+names the call and the server log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vllm_graph_sleep.bench.server import ServerError
+
+REPORT_METHOD = "graph_sleep_memory_report"
+
+
+@dataclasses.dataclass
+class Completion:
+    token_ids: list[list[int]]
+    texts: list[str]
+    completion_tokens: int
+    seconds: float
+
+
+class Client:
+    def __init__(
+        self,
+        base_url: str,
+        name: str,
+        where: Callable[[], str],
+        timeout: float = 300.0,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.name = name
+        self._where = where
+        self.timeout = timeout
+        self.model_id: str | None = None
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Sequence[tuple[str, str]] = (),
+    ) -> Any:
+        url = self.base_url + path
+        if query:
+            url += "?" + urllib.parse.urlencode(list(query))
+        data = None
+        headers = {}
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        elif method == "POST":
+            data = b""
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        call = f"{method} {path}" + (f"?{urllib.parse.urlencode(list(query))}" if query else "")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as error:
+            detail = error.read()[:300].decode(errors="replace").replace("\n", " ")
+            raise ServerError(
+                f"[{self.name}] {call} answered {error.code}: {detail}; {self._where()}"
+            ) from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise ServerError(f"[{self.name}] {call} failed: {reason}; {self._where()}") from None
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode(errors="replace")
+
+    # -- serving ----------------------------------------------------------
+
+    def served_model(self) -> str:
+        models = self._request("GET", "/v1/models")
+        try:
+            self.model_id = models["data"][0]["id"]
+        except (TypeError, KeyError, IndexError):
+            raise ServerError(
+                f"[{self.name}] GET /v1/models listed no model; {self._where()}"
+            ) from None
+        return self.model_id
+
+    def complete(self, prompts: Sequence[str], max_tokens: int) -> Completion:
+        """Greedy completion of every prompt, exactly `max_tokens` tokens each."""
+        body = {
+            "model": self.model_id,
+            "prompt": list(prompts),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        started = time.perf_counter()
+        answer = self._request("POST", "/v1/completions", body)
+        seconds = time.perf_counter() - started
+        try:
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            token_ids = [list(c["token_ids"]) for c in choices]
+            texts = [c["text"] for c in choices]
+        except (TypeError, KeyError) as error:
+            raise ServerError(
+                f"[{self.name}] /v1/completions answer lacks {error} (token ids need vLLM's "
+                f"return_token_ids); {self._where()}"
+            ) from None
+        usage = answer.get("usage") or {}
+        return Completion(token_ids, texts, int(usage.get("completion_tokens", 0)), seconds)
+
+    # -- sleep mode -------------------------------------------------------
+
+    def sleep(self, level: int) -> float:
+        started = time.perf_counter()
+        self._request("POST", "/sleep", query=[("level", str(level))])
+        return time.perf_counter() - started
+
+    def wake_up(self, tags: Sequence[str] = ()) -> float:
+        started = time.perf_counter()
+        self._request("POST", "/wake_up", query=[("tags", t) for t in tags])
+        return time.perf_counter() - started
+
+    def is_sleeping(self) -> bool:
+        answer = self._request("GET", "/is_sleeping")
+        return bool(answer["is_sleeping"])
+
+    def collective_rpc(self, method: str, timeout: float | None = None) -> list[Any]:
+        body: dict[str, Any] = {"method": method}
+        if timeout is not None:
+            body["timeout"] = timeout
+        answer = self._request("POST", "/collective_rpc", body)
+        return [] if answer is None else list(answer.get("results", []))
+
+    def reload_weights(self) -> float:
+        started = time.perf_counter()
+        self.collective_rpc("reload_weights")
+        return time.perf_counter() - started
+
+    def memory_report(self) -> list[dict[str, Any]]:
+        """One report per worker (per GPU), from vllm_graph_sleep.probe."""
+        return self.collective_rpc(REPORT_METHOD, timeout=120)

@@ -1,0 +1,225 @@
+"""From the recorded results to numbers: per-configuration summary, the
+side-by-side table (with ratios against stock), and the JSON file.
+
+Everything here works on the results dictionary exactly as it is written to
+JSON, so a recorded file can be summarised and printed again
+(`vllm-graph-sleep bench --report results.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vllm_graph_sleep.bench.server import CONFIG_LABELS
+
+SCHEMA = "vllm-graph-sleep-bench/1"
+MiB = 2**20
+#: Ratios are taken against the first of these that ran.
+BASELINES = ("stock_graphs", "stock_eager")
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _over(used: list[int], baseline: list[int]) -> list[float]:
+    return [(u - b) / MiB for u, b in zip(used, baseline, strict=True)]
+
+
+def _per_gpu_median(rows: list[list[float]]) -> list[float] | None:
+    if not rows:
+        return None
+    return [statistics.median(column) for column in zip(*rows, strict=True)]
+
+
+def _tag_mib(reports: list[dict[str, Any]] | None, key: str) -> dict[str, list[float]]:
+    """Per tag, `key` bytes ("mapped", ...) per worker, in MiB."""
+    tags: dict[str, list[float]] = {}
+    if not reports:
+        return tags
+    for rank, report in enumerate(reports):
+        for tag, entry in (report or {}).get("tags", {}).items():
+            tags.setdefault(tag, [0.0] * len(reports))[rank] = entry.get(key, 0) / MiB
+    return tags
+
+
+def summarize(record: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one configuration (MiB over the idle GPU, ms, tok/s)."""
+    base = record.get("baseline_used_bytes") or []
+    steps = record.get("steps") or []
+    summary: dict[str, Any] = {"start_s": record.get("start_s"), "gpus": len(base)}
+    if record.get("error"):
+        summary["error"] = record["error"]
+    if "awake_used_bytes" in record:
+        summary["awake_mib"] = _over(record["awake_used_bytes"], base)
+    summary["tags_awake_mib"] = _tag_mib(record.get("awake_report"), "mapped")
+    asleep, freed, sleep_ms, host, tags_asleep = {}, {}, {}, {}, {}
+    for level in sorted({s["level"] for s in steps}):
+        mine = [s for s in steps if s["level"] == level]
+        key = str(level)
+        asleep[key] = _per_gpu_median([_over(s["asleep_used_bytes"], base) for s in mine])
+        freed[key] = _per_gpu_median(
+            [_over(s["awake_used_bytes"], s["asleep_used_bytes"]) for s in mine]
+        )
+        sleep_ms[key] = 1000 * _median([s["sleep_s"] for s in mine])
+        last_report = next((s["asleep_report"] for s in reversed(mine) if s["asleep_report"]), None)
+        if last_report:
+            tags_asleep[key] = _tag_mib(last_report, "mapped")
+            backups = [r.get("host_bytes") for r in last_report]
+            if all(b is not None for b in backups):
+                host[key] = [b / MiB for b in backups]
+    wake_ms = {}
+    for level, wake in sorted({(s["level"], s["wake"]) for s in steps}):
+        mine = [s for s in steps if (s["level"], s["wake"]) == (level, wake)]
+        wake_ms[f"{level} {wake}"] = 1000 * _median([s["wake_s"] for s in mine])
+    reloads = [s["reload_s"] for s in steps if s.get("reload_s")]
+    summary.update(
+        asleep_mib=asleep,
+        freed_mib=freed,
+        tags_asleep_mib=tags_asleep,
+        host_backup_mib=host,
+        sleep_ms=sleep_ms,
+        wake_ms=wake_ms,
+        reload_ms=1000 * _median(reloads) if reloads else None,
+        decode_tps={
+            "before": (record.get("decode_before") or {}).get("tokens_per_s"),
+            "after": (record.get("decode_after") or {}).get("tokens_per_s"),
+        },
+        exact=[sum(1 for s in steps if s.get("bit_exact")), len(steps)],
+    )
+    return summary
+
+
+def summarize_all(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["config"]: summarize(r) for r in results.get("configs", [])}
+
+
+def baseline_of(names: list[str]) -> str | None:
+    return next((b for b in BASELINES if b in names), None)
+
+
+# -- the table ---------------------------------------------------------------
+
+Getter = Callable[[dict[str, Any]], float | None]
+
+
+def _get(*path: Any) -> Getter:
+    def getter(summary: dict[str, Any]) -> float | None:
+        value: Any = summary
+        for key in path:
+            if isinstance(value, dict):
+                value = value.get(key)
+            elif isinstance(value, list) and isinstance(key, int) and key < len(value):
+                value = value[key]
+            else:
+                return None
+        return value if isinstance(value, int | float) else None
+
+    return getter
+
+
+def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]:
+    """(label, getter, number format) for every row the table shows."""
+    gpus = max((s.get("gpus") or 1) for s in summaries.values()) if summaries else 1
+    levels = sorted({k for s in summaries.values() for k in s.get("asleep_mib", {})})
+    wakes = sorted({k for s in summaries.values() for k in s.get("wake_ms", {})})
+    tags = sorted({t for s in summaries.values() for t in s.get("tags_awake_mib", {})})
+
+    def per_gpu(label: str, *path: Any) -> list[tuple[str, Getter, str]]:
+        if gpus == 1:
+            return [(label, _get(*path, 0), "{:.0f}")]
+        return [(f"{label} gpu{g}", _get(*path, g), "{:.0f}") for g in range(gpus)]
+
+    rows: list[tuple[str, Getter, str]] = [("engine start (s)", _get("start_s"), "{:.1f}")]
+    rows += per_gpu("awake, over idle GPU (MiB)", "awake_mib")
+    for level in levels:
+        rows += per_gpu(f"asleep L{level}, over idle GPU (MiB)", "asleep_mib", level)
+    for level in levels:
+        rows += per_gpu(f"freed by L{level} sleep (MiB)", "freed_mib", level)
+    for tag in tags:
+        rows += per_gpu(f"tag {tag}, awake (MiB)", "tags_awake_mib", tag)
+    for level in levels:
+        rows += per_gpu(f"host backup at L{level} (MiB)", "host_backup_mib", level)
+    for level in levels:
+        rows.append((f"sleep L{level} (ms)", _get("sleep_ms", level), "{:.0f}"))
+    for wake in wakes:
+        rows.append((f"wake L{wake} (ms)", _get("wake_ms", wake), "{:.0f}"))
+    rows.append(("reload_weights after L2 (ms)", _get("reload_ms"), "{:.0f}"))
+    rows.append(("decode before 1st sleep (tok/s)", _get("decode_tps", "before"), "{:.0f}"))
+    rows.append(("decode after last wake (tok/s)", _get("decode_tps", "after"), "{:.0f}"))
+    return rows
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """One table, configurations side by side, each figure with its ratio to stock."""
+    summaries = summarize_all(results)
+    names = list(summaries)
+    baseline = baseline_of(names)
+    header = ["", *[CONFIG_LABELS.get(n, n) for n in names]]
+    lines: list[list[str]] = []
+    for label, getter, fmt in _rows(summaries):
+        values = [getter(summaries[n]) for n in names]
+        if all(v is None for v in values):
+            continue
+        reference = getter(summaries[baseline]) if baseline else None
+        cells = [label]
+        for name, value in zip(names, values, strict=True):
+            if value is None:
+                cells.append("-")
+                continue
+            cell = fmt.format(value)
+            if name != baseline and reference not in (None, 0):
+                cell += f" ({value / reference:.2f}x)"
+            cells.append(cell)
+        lines.append(cells)
+    exact = ["bit-exact after wake"]
+    for name in names:
+        good, total = summaries[name]["exact"]
+        exact.append(f"{good}/{total}" + ("" if good == total else " DIFFER"))
+    lines.append(exact)
+    widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
+
+    def render(row: list[str]) -> str:
+        cells = [c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)]
+        return "  ".join(cells).rstrip()
+
+    out = [render(header), "  ".join("-" * w for w in widths), *map(render, lines)]
+    out += [f"error ({n}): {s['error']}" for n, s in summaries.items() if s.get("error")]
+    if baseline:
+        out.append(
+            f"ratios: against {CONFIG_LABELS.get(baseline, baseline)}. Memory: NVML used memory "
+            "minus the idle GPU before the server started; medians over the cycles."
+        )
+    return "\n".join(out)
+
+
+def not_exact(results: dict[str, Any]) -> list[str]:
+    """Configurations with a cycle whose tokens differ from the reference."""
+    names = []
+    for name, summary in summarize_all(results).items():
+        good, total = summary["exact"]
+        if good != total:
+            names.append(name)
+    return names
+
+
+def write_json(results: dict[str, Any], path: Path) -> None:
+    results = {**results, "summary": summarize_all(results)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA:
+        raise ValueError(
+            f"{path}: not a bench result (schema {data.get('schema')!r}, want {SCHEMA!r})"
+        )
+    return data

@@ -1,0 +1,181 @@
+"""One configuration from start to stop: the measurements of the bench.
+
+Order: baseline memory (before the server), start and /health (engine start
+time), warm-up, reference tokens, decode speed, awake memory and probe report,
+then for every (cycle, level, wake mode): sleep, /is_sleeping, asleep memory and
+report, wake (full, or staged: weights, then kv_cache; level 2 reloads the
+weights after the weights are back), /is_sleeping, completions compared token by
+token with the reference; then decode speed again. The server is stopped
+whatever happens, and the memory it held is waited for before returning.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm_graph_sleep.bench.client import Client, Completion
+from vllm_graph_sleep.bench.gpu import MemorySampler, MemorySource, settle, wait_released
+from vllm_graph_sleep.bench.server import Server, ServerError
+from vllm_graph_sleep.bench.settings import DECODE_PROMPT, PROMPTS, BenchSettings
+
+Progress = Callable[[str], None]
+MiB = 2**20
+
+
+def _mib(values: list[int]) -> str:
+    return "/".join(f"{v / MiB:.0f}" for v in values) + " MiB"
+
+
+def measure_decode(client: Client, settings: BenchSettings) -> dict[str, Any]:
+    """Single-stream decode: time for `decode_tokens` tokens minus time for one
+    token (prefill and overhead), medians over `decode_repeats` runs."""
+    one, full = [], []
+    tokens = settings.decode_tokens
+    for _ in range(settings.decode_repeats):
+        one.append(client.complete([DECODE_PROMPT], 1).seconds)
+        full.append(client.complete([DECODE_PROMPT], tokens).seconds)
+    decode_s = statistics.median(full) - statistics.median(one)
+    return {
+        "tokens": tokens,
+        "one_token_s": one,
+        "all_tokens_s": full,
+        "tokens_per_s": (tokens - 1) / decode_s if decode_s > 0 else None,
+    }
+
+
+def _compare(reference: Completion, now: Completion) -> dict[str, Any]:
+    exact = now.token_ids == reference.token_ids
+    result: dict[str, Any] = {"bit_exact": exact}
+    if not exact:
+        for index, (want, got) in enumerate(zip(reference.token_ids, now.token_ids, strict=False)):
+            if want != got:
+                first = next(
+                    (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+                    min(len(want), len(got)),
+                )
+                result["mismatch"] = {"prompt": index, "first_token": first, "got": got[:64]}
+                break
+    return result
+
+
+class Scenario:
+    def __init__(
+        self,
+        name: str,
+        server: Server,
+        client: Client,
+        memory: MemorySource,
+        settings: BenchSettings,
+        progress: Progress,
+    ):
+        self.name = name
+        self.server = server
+        self.client = client
+        self.memory = memory
+        self.settings = settings
+        self.progress = progress
+        self.origin = 0.0
+        self.events: list[dict[str, Any]] = []
+        self.record: dict[str, Any] = {"config": name, "log": str(server.log_path)}
+
+    def _event(self, kind: str, **details: Any) -> None:
+        self.events.append({"t": round(time.monotonic() - self.origin, 3), "kind": kind, **details})
+
+    def _say(self, text: str) -> None:
+        self.progress(f"[{self.name}] {text}")
+
+    def _report(self) -> list[dict[str, Any]] | None:
+        try:
+            return self.client.memory_report()
+        except ServerError as error:
+            if self.server.exit_code() is not None:
+                raise
+            self._say(f"probe report unavailable: {error}")
+            return None
+
+    def run(self) -> dict[str, Any]:
+        record = self.record
+        record["serve_command"] = self.server.command
+        record["baseline_used_bytes"] = baseline = settle(self.memory)
+        self.origin = time.monotonic()
+        sampler = MemorySampler(self.memory, self.origin, self.settings.sample_interval)
+        try:
+            with sampler:
+                self._say(f"starting vllm serve ({self.server.where()})")
+                self.server.start(self.client.base_url)
+                record["start_s"] = self.server.wait_healthy(
+                    self.settings.start_timeout,
+                    lambda s: self._say(f"waiting for /health ... {s:.0f} s"),
+                )
+                self._event("ready")
+                record["ready_t"] = self.events[-1]["t"]
+                self._say(f"healthy after {record['start_s']:.1f} s")
+                self._measure()
+        finally:
+            code = self.server.stop()
+            record["server_exit_code"] = code
+            record["samples"] = sampler.as_dict()
+            record["events"] = self.events
+            record["after_stop_used_bytes"] = wait_released(
+                self.memory, baseline, slack=256 * MiB, timeout=30
+            )
+        return record
+
+    def _measure(self) -> None:
+        client, settings, record = self.client, self.settings, self.record
+        record["model_id"] = client.served_model()
+        client.complete(PROMPTS, settings.max_tokens)  # warm-up, not measured
+        reference = client.complete(PROMPTS, settings.max_tokens)
+        record["reference"] = {"token_ids": reference.token_ids, "texts": reference.texts}
+        record["decode_before"] = measure_decode(client, settings)
+        self._say(f"decode {record['decode_before']['tokens_per_s'] or 0:.0f} tok/s (1 stream)")
+        record["awake_used_bytes"] = settle(self.memory)
+        record["awake_report"] = self._report()
+        self._say(f"awake: {_mib(record['awake_used_bytes'])}")
+        steps = record["steps"] = []
+        plan = settings.steps()
+        for number, (cycle, level, wake) in enumerate(plan, start=1):
+            step = self._step(cycle, level, wake, reference)
+            steps.append(step)
+            self._say(
+                f"{number}/{len(plan)} level {level}, {wake} wake: sleep {step['sleep_s']:.2f} s, "
+                f"asleep {_mib(step['asleep_used_bytes'])}, wake {step['wake_s']:.2f} s, "
+                + ("bit-exact" if step["bit_exact"] else "TOKENS DIFFER")
+            )
+        record["decode_after"] = measure_decode(client, settings)
+        self._say(
+            f"decode after the last wake {record['decode_after']['tokens_per_s'] or 0:.0f} tok/s"
+        )
+        record["final_used_bytes"] = settle(self.memory)
+
+    def _step(self, cycle: int, level: int, wake: str, reference: Completion) -> dict[str, Any]:
+        client = self.client
+        step: dict[str, Any] = {"cycle": cycle, "level": level, "wake": wake}
+        self._event("sleep", level=level)
+        step["sleep_s"] = client.sleep(level)
+        step["is_sleeping_asleep"] = client.is_sleeping()
+        step["asleep_used_bytes"] = settle(self.memory)
+        step["asleep_report"] = self._report()
+        self._event("wake", level=level, wake=wake)
+        parts: list[dict[str, Any]] = []
+        if wake == "full":
+            parts.append({"what": "wake_up", "s": client.wake_up()})
+            if level == 2:
+                parts.append({"what": "reload_weights", "s": client.reload_weights()})
+        else:
+            parts.append({"what": "wake_up weights", "s": client.wake_up(["weights"])})
+            step["is_sleeping_staged"] = client.is_sleeping()
+            if level == 2:
+                parts.append({"what": "reload_weights", "s": client.reload_weights()})
+            parts.append({"what": "wake_up kv_cache", "s": client.wake_up(["kv_cache"])})
+        self._event("awake")
+        step["wake_parts"] = parts
+        step["wake_s"] = sum(p["s"] for p in parts if p["what"].startswith("wake_up"))
+        step["reload_s"] = sum(p["s"] for p in parts if p["what"] == "reload_weights")
+        step["is_sleeping_awake"] = client.is_sleeping()
+        step["awake_used_bytes"] = settle(self.memory)
+        step.update(_compare(reference, client.complete(PROMPTS, self.settings.max_tokens)))
+        return step

@@ -1,0 +1,193 @@
+"""One `vllm serve` process: its command line, its log, /health, and a stop that
+always happens.
+
+The server runs in its own process group (it starts an engine core and workers),
+with stdout and stderr in a log file. `stop` sends SIGTERM to the server (vLLM
+shuts its engine down on it), waits, and SIGKILLs the whole group if anything is
+left after the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+PROBE_EXTENSION = "vllm_graph_sleep.probe.ProbeWorkerExtension"
+
+#: Per configuration: what it adds to the common `vllm serve` arguments.
+CONFIG_ARGS: dict[str, tuple[str, ...]] = {
+    "ours": ("--sleep-mode-offload-cudagraph",),
+    "stock_graphs": (),
+    "stock_eager": ("--enforce-eager",),
+}
+CONFIG_LABELS = {
+    "ours": "ours (graph offload)",
+    "stock_graphs": "stock, graphs",
+    "stock_eager": "stock, eager",
+}
+
+
+class ServerError(RuntimeError):
+    """A server did not start, died, or answered an error; the message is one line."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(
+    config: str,
+    model: str,
+    port: int,
+    *,
+    tp: int,
+    gpu_memory_utilization: float,
+    max_model_len: int,
+    extra: Sequence[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
+    """`vllm serve` for one configuration; every configuration has sleep mode on."""
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-sleep-mode",
+        "--tensor-parallel-size",
+        str(tp),
+        "--gpu-memory-utilization",
+        str(gpu_memory_utilization),
+        "--max-model-len",
+        str(max_model_len),
+        "--seed",
+        "0",
+        "--worker-extension-cls",
+        PROBE_EXTENSION,
+        "--disable-uvicorn-access-log",
+        *CONFIG_ARGS[config],
+        *extra,
+    ]
+
+
+def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The bench's environment (NCCL_* and the rest kept) plus the dev endpoints."""
+    env = dict(os.environ if environ is None else environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up, /is_sleeping, /collective_rpc
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # skips a ~96 s JIT build
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+class Server:
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path):
+        self.name = name
+        self.command = command
+        self.env = env
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+        self.base_url = ""
+
+    def where(self) -> str:
+        return f"server log: {self.log_path}"
+
+    def start(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            log.write(("$ " + " ".join(self.command) + "\n").encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def wait_healthy(
+        self, timeout: float, progress: Callable[[float], None] | None = None
+    ) -> float:
+        """Seconds from start to the first 200 on /health; ServerError if the
+        process exits first or `timeout` passes."""
+        assert self.process is not None
+        started = time.monotonic()
+        next_note = started + 15
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(
+                    f"[{self.name}] vllm serve exited with code {code} before it was healthy; "
+                    f"{self.where()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return time.monotonic() - started
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            now = time.monotonic()
+            if now - started > timeout:
+                raise ServerError(
+                    f"[{self.name}] vllm serve was not healthy after {timeout:.0f} s "
+                    f"(--start-timeout); {self.where()}"
+                )
+            if progress is not None and now >= next_note:
+                progress(now - started)
+                next_note = now + 15
+            time.sleep(0.5)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """Stops the server and everything it started; safe to call twice."""
+        process = self.process
+        if process is None:
+            return None
+        if process.poll() is None:
+            try:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._kill_group(process.pid)
+                process.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        # Engine core and workers share the group; give them a moment, then kill.
+        deadline = time.monotonic() + 15
+        while self._group_alive(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        if self._group_alive(process.pid):
+            self._kill_group(process.pid)
+        return process.returncode
+
+    @staticmethod
+    def _group_alive(pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    @staticmethod
+    def _kill_group(pgid: int) -> None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,60 @@
+"""What one bench run does: the settings the CLI parses, and the fixed prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+CONFIGS = ("ours", "stock_graphs", "stock_eager")
+LEVELS = (1, 2)
+WAKES = ("full", "staged")
+
+#: Greedy completions of these are compared token by token after every wake.
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Sleep mode releases memory and wake up restores it, so",
+    "In 1999, the old engineer visited the museum near the river and",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n",
+)
+#: The single-stream decode measurement continues this one.
+DECODE_PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+@dataclasses.dataclass
+class BenchSettings:
+    model: str | None = None  # a local model directory; None: make one of model_kind
+    model_kind: str = "llama"
+    cache_dir: Path = Path("~/.cache/vllm-graph-sleep")
+    tp: int = 1
+    cycles: int = 2
+    levels: tuple[int, ...] = LEVELS
+    wakes: tuple[str, ...] = WAKES
+    configs: tuple[str, ...] = CONFIGS
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 1024
+    max_tokens: int = 32
+    decode_tokens: int = 128
+    decode_repeats: int = 3
+    start_timeout: float = 900.0
+    request_timeout: float = 300.0
+    sample_interval: float = 0.1
+    serve_args: tuple[str, ...] = ()
+    out: Path | None = None
+
+    def steps(self) -> list[tuple[int, int, str]]:
+        """(cycle, level, wake) in the order they run: each cycle goes through
+        every level with every wake mode."""
+        return [
+            (cycle, level, wake)
+            for cycle in range(self.cycles)
+            for level in self.levels
+            for wake in self.wakes
+        ]
+
+    def as_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["cache_dir"] = str(self.cache_dir)
+        data["out"] = None if self.out is None else str(self.out)
+        data["prompts"] = list(PROMPTS)
+        data["decode_prompt"] = DECODE_PROMPT
+        return data
