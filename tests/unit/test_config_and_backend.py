@@ -245,3 +245,27 @@ def test_backend_is_registered_in_vllms_factory():
 
     assert SleepModeBackendFactory.get_backend_class(config.BACKEND_NAME) is GraphSleepBackend
     vllm_graph_sleep.register()  # idempotent: a second registration would raise in vLLM
+
+
+@pytest.mark.parametrize(
+    "initialized,custom,active,expected",
+    [
+        (False, None, True, "off"),
+        (True, None, True, "off"),
+        (True, SimpleNamespace(disabled=True), True, "off"),
+        (True, SimpleNamespace(disabled=False), True, "copy-in"),
+        (True, SimpleNamespace(disabled=False), False, "registered"),
+    ],
+)
+def test_probe_reports_the_custom_all_reduce_mode(
+    monkeypatch, initialized, custom, active, expected
+):
+    from vllm.distributed import parallel_state
+
+    from vllm_graph_sleep.probe import custom_all_reduce_mode
+
+    group = SimpleNamespace(device_communicator=SimpleNamespace(ca_comm=custom))
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: initialized)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    monkeypatch.setattr(config, "_active_in_this_process", active)
+    assert custom_all_reduce_mode() == expected
