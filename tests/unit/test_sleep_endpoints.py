@@ -42,6 +42,19 @@ def serve(attach_router, engine: FakeEngineClient, **client_kwargs) -> tuple[Fas
     return app, TestClient(app, **client_kwargs)
 
 
+@pytest.fixture(autouse=True)
+def dev_mode(monkeypatch):
+    # The dev routes, and so our patch, exist only with VLLM_SERVER_DEV_MODE=1.
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+
+
+def test_nothing_is_patched_outside_dev_mode(monkeypatch):
+    monkeypatch.setattr(api_router, "attach_router", original_of(api_router.attach_router))
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+    patch.apply()
+    assert api_router.attach_router is original_of(api_router.attach_router)
+
+
 @pytest.fixture
 def engine() -> FakeEngineClient:
     return FakeEngineClient()

@@ -119,6 +119,12 @@ def _require_post_routes(router: Any) -> None:
 
 
 def apply() -> None:
+    from vllm import envs
+
+    if not envs.VLLM_SERVER_DEV_MODE:
+        # The routes exist only in dev mode; elsewhere (engine core, workers, a
+        # production server) importing FastAPI here would only slow start-up.
+        return
     from vllm.entrypoints.serve.dev.sleep import api_router
 
     require(api_router, "attach_router", where=WHERE, parameters=("app",))
