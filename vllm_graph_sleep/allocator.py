@@ -25,13 +25,14 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
+from vllm_graph_sleep.config import truthy
 
 logger = logging.getLogger("vllm.graph_sleep")
 
@@ -68,7 +69,7 @@ def _env_flag(name: str) -> bool | None:
     value = os.environ.get(name)
     if value is None or value == "":
         return None
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    return truthy(value)
 
 
 def format_bytes(size: int) -> str:
@@ -122,10 +123,8 @@ class GraphSleepAllocator:
         if release_host_memory is None:
             release_host_memory = bool(_env_flag(RELEASE_HOST_MEMORY_ENV))
         self.release_host_memory = release_host_memory
-        # Bound methods are stored so the extension's references stay valid.
-        self._on_malloc_cb = self._on_malloc
-        self._on_free_cb = self._on_free
-        driver.register_callbacks(self._on_malloc_cb, self._on_free_cb)
+        # The extension keeps its own references to these bound methods.
+        driver.register_callbacks(self._on_malloc, self._on_free)
 
     # -- callbacks from the extension ------------------------------------
 
@@ -207,19 +206,15 @@ class GraphSleepAllocator:
 
     # -- sleep / wake / discard -------------------------------------------
 
-    def _check_tags(self, tags: Iterable[str], what: str) -> tuple[str, ...]:
-        checked = tuple(tags)
+    def _normalize(self, tags: tuple[str, ...] | list[str] | str | None, what: str) -> tuple:
+        """The tags as a tuple; ValueError, before anything changes, for unknown ones."""
+        checked = (tags,) if isinstance(tags, str) else tuple(tags or ())
         unknown = [t for t in checked if not isinstance(t, str) or t not in self._known_tags]
         if unknown:
             raise ValueError(
                 f"{what}: unknown memory tag(s) {unknown}; known tags: {sorted(self._known_tags)}"
             )
         return checked
-
-    def _normalize(self, tags: tuple[str, ...] | list[str] | str | None, what: str) -> tuple:
-        if isinstance(tags, str):
-            tags = (tags,)
-        return self._check_tags(tags or (), what)
 
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
         """Backs up `offload_tags` (default: "default") to host, drops the rest."""
@@ -295,12 +290,12 @@ class GraphSleepAllocator:
             restored, fresh = self._fill(mapped)
         except Exception as error:
             self._roll_back(mapped)
-            still = sum(a.size for a in targets)
+            wanted_bytes = sum(a.size for a in targets)
             raise WakeUpError(
                 f"wake_up(tags={tags}) failed after mapping {len(mapped)} of {len(targets)} "
-                f"allocations ({format_bytes(still)} wanted): {error}. Everything it mapped was "
-                "released again and all host backups are intact; free device memory held "
-                "elsewhere and retry."
+                f"allocations ({format_bytes(wanted_bytes)} wanted): {error}. Everything it "
+                "mapped was released again and all host backups are intact; free device memory "
+                "held elsewhere and retry."
             ) from error
 
         for allocation in mapped:

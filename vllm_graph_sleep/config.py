@@ -25,7 +25,8 @@ class Gate:
     reason: str = ""  # why it is off although requested
 
 
-def _truthy(value: Any) -> bool:
+def truthy(value: Any) -> bool:
+    """Our reading of a yes/no setting, from JSON or the environment."""
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
@@ -33,7 +34,7 @@ def _truthy(value: Any) -> bool:
 
 def flag_requested(vllm_config: Any) -> bool:
     additional = getattr(vllm_config, "additional_config", None) or {}
-    return _truthy(additional.get(FLAG, False))
+    return truthy(additional.get(FLAG, False))
 
 
 def _cudagraphs_off(vllm_config: Any) -> bool:
