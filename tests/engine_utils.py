@@ -31,6 +31,9 @@ def start_engine(kind: str, mode: str, offload: bool = True, **overrides):
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc probes
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # skips a ~96 s JIT build
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA is up in pytest
+    # Dropped memory comes back zeroed: state that wrongly lives in a dropped tag
+    # breaks the first cycle instead of surviving by luck in reused pages.
+    os.environ.setdefault("VLLM_GRAPH_SLEEP_ZERO_ON_WAKE", "1")
     if mode == "breakable":
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
     from vllm import LLM

@@ -76,6 +76,16 @@ class VmmDriver:
             )
         return torch.cuda.MemPool(self._pluggable.allocator())
 
+    # What torch.cuda.use_mem_pool does on entry and on exit (torch 2.11), split
+    # so that a nested pool can take over from an enclosing one and hand back.
+    def route(self, pool: torch.cuda.MemPool) -> None:
+        torch._C._cuda_beginAllocateCurrentThreadToPool(torch.cuda.current_device(), pool.id)
+
+    def unroute(self, pool: torch.cuda.MemPool) -> None:
+        device = torch.cuda.current_device()
+        torch._C._cuda_endAllocateToPool(device, pool.id)
+        torch._C._cuda_releasePool(device, pool.id)
+
     def device_bytes(self, device: int, address: int, size: int) -> torch.Tensor:
         return torch.as_tensor(_DeviceRange(address, size), device=torch.device("cuda", device))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,9 +41,12 @@ DEFAULT_TAG = "default"
 WEIGHTS_TAG = "weights"
 KV_CACHE_TAG = "kv_cache"
 GRAPH_TAG = "cudagraph"
+# State built while the KV cache is initialised (attention metadata, block
+# tables, graph input buffers): small, backed up at every level.
+RUNTIME_TAG = "runtime"
 # Tags a wake may leave asleep; every other tag returns on any wake.
 DEFERRABLE_TAGS = (WEIGHTS_TAG, KV_CACHE_TAG)
-BUILTIN_TAGS = (DEFAULT_TAG, WEIGHTS_TAG, KV_CACHE_TAG, GRAPH_TAG)
+BUILTIN_TAGS = (DEFAULT_TAG, WEIGHTS_TAG, KV_CACHE_TAG, GRAPH_TAG, RUNTIME_TAG)
 
 ZERO_ON_WAKE_ENV = "VLLM_GRAPH_SLEEP_ZERO_ON_WAKE"
 RELEASE_HOST_MEMORY_ENV = "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"
@@ -117,6 +121,7 @@ class GraphSleepAllocator:
         # while its blocks are cached would hand them back mid-run.
         self._pools: list[torch.cuda.MemPool] = []
         self._graph_pool: torch.cuda.MemPool | None = None
+        self._routing = threading.local()  # per thread: stack of pools routed to
         if zero_on_wake is None:
             zero_on_wake = _env_flag(ZERO_ON_WAKE_ENV)
         self.zero_on_wake = driver.is_rocm() if zero_on_wake is None else zero_on_wake
@@ -160,8 +165,28 @@ class GraphSleepAllocator:
         with self.allocation_tag(tag or DEFAULT_TAG), expandable_segments_off():
             pool = self._driver.memory_pool()
             self._pools.append(pool)
-            with torch.cuda.use_mem_pool(pool):
+            with self._routed_to(pool):
                 yield pool
+
+    @contextmanager
+    def _routed_to(self, pool: torch.cuda.MemPool) -> Iterator[None]:
+        """Routes this thread's allocations to `pool`. A pool of ours already
+        routed (an enclosing use_memory_pool) is unrouted meanwhile: torch keeps
+        one routing list and may serve from the outer entry, which would put
+        inner allocations in segments of the outer pool and tag."""
+        stack = self._routing.__dict__.setdefault("pools", [])
+        outer = stack[-1] if stack else None
+        if outer is not None:
+            self._driver.unroute(outer)
+        self._driver.route(pool)
+        stack.append(pool)
+        try:
+            yield
+        finally:
+            stack.pop()
+            self._driver.unroute(pool)
+            if outer is not None:
+                self._driver.route(outer)
 
     @contextmanager
     def cudagraph_pool(self) -> Iterator[torch.cuda.MemPool]:

@@ -30,11 +30,12 @@ from typing import Any
 PLATFORM_CHOICES = ("detected", "cuda", "rocm")
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "graph_sleep"
-TAGS = ("weights", "kv_cache", "cudagraph", "default")
+TAGS = ("weights", "kv_cache", "cudagraph", "runtime", "default")
 TAG_NOTES = {
     "weights": "model weights",
     "kv_cache": "KV cache",
     "cudagraph": "CUDA/HIP graph pool",
+    "runtime": "state built with the KV cache (attention metadata, block tables)",
     "default": "other sleep-mode memory",
 }
 USAGE = """\

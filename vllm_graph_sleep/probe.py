@@ -21,6 +21,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
     free, total = torch.cuda.mem_get_info()
     report: dict[str, Any] = {
         "graph_offload_active": config.is_active(),
+        "pid": os.getpid(),
         "driver_free_bytes": free,
         "driver_total_bytes": total,
         "torch_reserved_bytes": torch.cuda.memory_reserved(),

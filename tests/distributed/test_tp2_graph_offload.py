@@ -8,6 +8,8 @@ the check, and the probe confirms the custom all-reduce was really in use.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from tests.engine_utils import (
@@ -23,17 +25,34 @@ from tests.utils import fresh_process, requires_gpu
 pytestmark = [requires_gpu, pytest.mark.distributed(num_gpus=2)]
 
 
-@pytest.mark.parametrize("custom_all_reduce", [True, False], ids=["custom-ar", "nccl-only"])
+ray_installed = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="Ray is not installed"
+)
+
+
+@pytest.mark.parametrize(
+    "custom_all_reduce,executor",
+    [(True, "mp"), (False, "mp"), pytest.param(True, "ray", marks=ray_installed)],
+    ids=["custom-ar", "nccl-only", "ray"],
+)
 @fresh_process
-def test_tp2_cycles_bit_exact(custom_all_reduce):
+def test_tp2_cycles_bit_exact(custom_all_reduce, executor):
+    if executor == "ray":
+        import ray
+
+        # The plugin must load in Ray's own worker processes (vLLM's general
+        # plugins); the probe below reads its state there.
+        ray.init(num_gpus=2, object_store_memory=1 << 30, include_dashboard=False)
     llm = start_engine(
         "llama",
         "full_and_piecewise",
         tensor_parallel_size=2,
         disable_custom_all_reduce=not custom_all_reduce,
+        distributed_executor_backend=executor,
     )
     awake = reports(llm)
     assert len(awake) == 2
+    assert len({rank["pid"] for rank in awake}) == 2
     for rank in awake:
         assert rank["graph_offload_active"] and mapped(rank)["cudagraph"] > 0
         assert rank["nccl_graph_register"] == "0"

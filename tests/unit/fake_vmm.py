@@ -36,6 +36,8 @@ class FakeVmmDriver:
         self.map_calls: list[int] = []
         self.unmap_calls: list[int] = []
         self.sync_calls = 0
+        self.routing: list[FakePool] = []  # pools allocations go to, as torch sees it
+        self.routing_log: list[tuple[str, FakePool]] = []
         self._next_address = 0x7F0000000000
         self._on_malloc = None
         self._on_free = None
@@ -76,6 +78,17 @@ class FakeVmmDriver:
     def memory_pool(self) -> FakePool:
         return FakePool()
 
+    def route(self, pool: FakePool) -> None:
+        # With two pools routed torch may serve either; the manager must never ask.
+        if self.routing:
+            raise AssertionError(f"{pool.id} routed while {self.routing[0].id} still is")
+        self.routing.append(pool)
+        self.routing_log.append(("route", pool))
+
+    def unroute(self, pool: FakePool) -> None:
+        self.routing.remove(pool)
+        self.routing_log.append(("unroute", pool))
+
     # -- what torch would do through my_malloc / my_free --------------------
 
     def malloc(self, size: int, device: int = 0) -> int:
@@ -84,6 +97,8 @@ class FakeVmmDriver:
         self._next_address += size + PAGE
         handle = address + 1
         self.create_and_map(device, size, address, handle)
+        if self.routing:
+            self.routing[0].segments.append(address)
         self._on_malloc(device, size, address, handle)
         return address
 

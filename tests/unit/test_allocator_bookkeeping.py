@@ -119,6 +119,30 @@ def test_other_internal_tags_are_not_deferrable():
     assert bool((driver.read(runtime) == 4).all())
 
 
+def test_nested_pool_takes_over_routing_and_hands_it_back():
+    driver, manager = make()
+    with manager.use_memory_pool("runtime") as outer:
+        before = driver.malloc(PAGE)
+        with manager.use_memory_pool("kv_cache") as inner:
+            kv = driver.malloc(PAGE)
+        after = driver.malloc(PAGE)
+    assert driver.routing == []
+    assert (outer.segments, inner.segments) == ([before, after], [kv])
+    assert [manager.allocations[a].tag for a in (before, kv, after)] == [
+        "runtime",
+        "kv_cache",
+        "runtime",
+    ]
+    assert [(step, pool is outer) for step, pool in driver.routing_log] == [
+        ("route", True),
+        ("unroute", True),
+        ("route", False),
+        ("unroute", False),
+        ("route", True),
+        ("unroute", True),
+    ]
+
+
 def test_failing_wake_rolls_back_and_can_be_retried():
     driver, manager = make(capacity=64 * MIB)
     graph = allocate(driver, manager, "cudagraph", 2 * MIB, value=3)

@@ -491,8 +491,8 @@ def test_doctor_active_on_cuda(capsys):
     code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, "-tp", "2")
     assert code == 0, out
     assert line_of(out, "graph offload").split()[2] == "ACTIVE:"
-    assert "keeps cudagraph, default, weights; drops kv_cache" in line_of(out, "  level 1")
-    assert "keeps cudagraph, default; drops kv_cache, weights" in line_of(out, "  level 2")
+    assert "keeps cudagraph, default, runtime, weights; drops kv_cache" in line_of(out, "  level 1")
+    assert "keeps cudagraph, default, runtime; drops kv_cache, weights" in line_of(out, "  level 2")
     assert "0 (set by the plugin" in line_of(out, "NCCL_GRAPH_REGISTER")
     assert "copy-in under capture" in line_of(out, "custom all-reduce")
     assert "vllm 0.26.0" in line_of(out, "versions")

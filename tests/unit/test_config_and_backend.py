@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import cloudpickle
 import pytest
 
+from tests.unit.fake_vmm import PAGE
 from tests.unit.force_cpu_platform import force_cpu_platform
 from vllm_graph_sleep import config
 
@@ -132,6 +133,50 @@ def test_worker_touches_nothing_when_the_gate_is_off(worker_patch):
     assert worker.seen_nccl == "unset"
     assert not config.is_active() and routed == []
     assert not hasattr(worker.vllm_config.model_config, "sleep_mode_backend")
+
+
+class FakeKvInitWorker:
+    """Worker.initialize_from_config's shape in 0.26: one "kv_cache" pool around
+    all of initialize_kv_cache, which allocates state and then the KV tensors."""
+
+    def __init__(self, manager, driver, allocate_kv_tensors):
+        self.manager, self.driver = manager, driver
+        self.allocate_kv_tensors = allocate_kv_tensors
+        self.pool_context = v1_worker_gpu_worker._wrap_maybe_get_memory_pool_context(
+            lambda worker, tag: worker.manager.use_memory_pool(tag=tag)
+        )
+
+    def initialize_from_config(self) -> tuple[int, int, int]:
+        with self.pool_context(self, tag="kv_cache"):
+            block_table = self.driver.malloc(PAGE)
+            kv = self.allocate_kv_tensors(self.driver)
+            metadata = self.driver.malloc(PAGE)
+        return block_table, kv, metadata
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_kv_init_state_is_runtime_and_only_kv_tensors_are_kv_cache(monkeypatch, active):
+    from tests.unit.fake_vmm import FakeVmmDriver
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+    from vllm_graph_sleep.patches._kv_tensors import in_kv_cache_pool
+
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    monkeypatch.setattr(config, "_active_in_this_process", active)
+    allocate_kv_tensors = in_kv_cache_pool(lambda driver: driver.malloc(4 * PAGE))
+    worker = FakeKvInitWorker(manager, driver, allocate_kv_tensors)
+    block_table, kv, metadata = worker.initialize_from_config()
+    tags = [manager.allocations[a].tag for a in (block_table, kv, metadata)]
+    if active:
+        assert tags == ["runtime", "kv_cache", "runtime"]
+        # Level 1 then a kv_cache-only wake: the state comes back intact.
+        driver.write(block_table, 7)
+        manager.sleep(offload_tags=offload_tags_for(1, set(tags)))
+        manager.wake_up(["kv_cache"])
+        assert bool((driver.read(block_table) == 7).all())
+    else:
+        assert tags == ["kv_cache"] * 3  # stock 0.26
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ PATCH_MODULES = (
     "distributed_device_communicators_custom_all_reduce",
     "distributed_device_communicators_aiter_custom_all_reduce",
     "v1_worker_gpu_worker",
+    "v1_worker_gpu_attn_utils",
+    "v1_worker_gpu_model_runner",
     "v1_worker_encoder_cudagraph",
 )
 

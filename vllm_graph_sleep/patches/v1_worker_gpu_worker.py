@@ -1,8 +1,8 @@
 """Patch: vllm.v1.worker.gpu_worker (Worker, get_mem_allocator_instance).
 
-vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model, and the
-module global get_mem_allocator_instance that Worker._maybe_get_memory_pool_context
-calls. Verified against vLLM 0.26.0.
+vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model,
+Worker._maybe_get_memory_pool_context, and the module global
+get_mem_allocator_instance that it calls. Verified against vLLM 0.26.0.
 
 Why: vLLM 0.26 has no seam that puts graph memory under sleep mode. When the
 gate is on in this worker, this patch
@@ -12,7 +12,13 @@ gate is on in this worker, this patch
   our sleep-mode backend, and points the platform's global graph pool (read by
   every capture wrapper of both model runners, and passed to NCCL's
   set_graph_pool_id while capturing) at our "cudagraph" pool;
-- tags what compile_or_warm_up_model captures as "cudagraph".
+- tags what compile_or_warm_up_model captures as "cudagraph";
+- turns the "kv_cache" pool that initialize_from_config opens around
+  initialize_kv_cache into a "runtime" pool, backed up at every level: the
+  attention metadata, block tables and graph input buffers built there must
+  survive sleep (FULL graphs read them). The KV tensors get their own
+  "kv_cache" pool (v1_worker_gpu_attn_utils, v1_worker_gpu_model_runner).
+  Upstream did the same in PR #59158.
 With the gate off every wrapper calls straight through (stock behaviour).
 
 Remove when: the plugin moves to a vLLM with the feature (upstream PRs #59160
@@ -24,7 +30,7 @@ from __future__ import annotations
 import logging
 
 from vllm_graph_sleep import config
-from vllm_graph_sleep.allocator import GRAPH_TAG, GraphSleepAllocator
+from vllm_graph_sleep.allocator import GRAPH_TAG, KV_CACHE_TAG, RUNTIME_TAG, GraphSleepAllocator
 from vllm_graph_sleep.patches._wrap import require, wrap_function
 
 logger = logging.getLogger("vllm.graph_sleep")
@@ -74,6 +80,17 @@ def _wrap_compile_or_warm_up_model(original):
     return compile_or_warm_up_model
 
 
+def _wrap_maybe_get_memory_pool_context(original):
+    def _maybe_get_memory_pool_context(self, tag, *args, **kwargs):
+        # In 0.26 only initialize_from_config asks for "kv_cache", around all of
+        # initialize_kv_cache.
+        if config.is_active() and tag == KV_CACHE_TAG:
+            tag = RUNTIME_TAG
+        return original(self, tag, *args, **kwargs)
+
+    return _maybe_get_memory_pool_context
+
+
 def _wrap_get_mem_allocator_instance(original):
     def get_mem_allocator_instance():
         if config.is_active():
@@ -91,6 +108,13 @@ def apply() -> None:
         gpu_worker.Worker,
         "compile_or_warm_up_model",
         _wrap_compile_or_warm_up_model,
+        where=WHERE,
+    )
+    require(gpu_worker.Worker, "_maybe_get_memory_pool_context", where=WHERE, parameters=("tag",))
+    wrap_function(
+        gpu_worker.Worker,
+        "_maybe_get_memory_pool_context",
+        _wrap_maybe_get_memory_pool_context,
         where=WHERE,
     )
     wrap_function(

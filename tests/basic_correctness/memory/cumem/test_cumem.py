@@ -369,3 +369,32 @@ def test_driver_errors_surface_as_runtime_errors_and_do_not_poison_the_allocator
     assert second.data_ptr() in alloc.allocations
     assert float(second.sum()) == 2.0 * MIB
     assert float(first.sum()) == float(MIB)
+
+
+@fresh_process
+def test_nested_pool_gets_its_own_segments_and_routing_returns():
+    alloc = manager()
+    with alloc.use_memory_pool("runtime") as outer:
+        state = torch.ones(MIB, dtype=torch.uint8, device="cuda")
+        with alloc.use_memory_pool("kv_cache") as inner:
+            kv = torch.full((8 * MIB,), 2, dtype=torch.uint8, device="cuda")
+        more_state = torch.ones(MIB, dtype=torch.uint8, device="cuda")
+    owned = len(alloc.allocations)
+    outside = torch.ones(MIB, dtype=torch.uint8, device="cuda")
+    assert len(alloc.allocations) == owned, "routing to our pools leaked past the context"
+
+    def segment_of(tensor: torch.Tensor, pool: torch.cuda.MemPool) -> bool:
+        return any(
+            s["address"] <= tensor.data_ptr() < s["address"] + s["total_size"]
+            for s in pool.snapshot(include_traces=False)
+        )
+
+    assert segment_of(kv, inner) and not segment_of(kv, outer)
+    assert segment_of(state, outer) and segment_of(more_state, outer)
+    assert not segment_of(state, inner) and not segment_of(more_state, inner)
+    assert set(entries(alloc, "kv_cache").values()) and set(entries(alloc, "runtime").values())
+    alloc.sleep(offload_tags=("runtime",))
+    alloc.wake_up(["kv_cache"])
+    torch.cuda.synchronize()
+    assert bool((state == 1).all()) and bool((more_state == 1).all())
+    assert int(outside.sum()) == MIB
