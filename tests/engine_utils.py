@@ -27,13 +27,18 @@ def model_dir(kind: str) -> str:
     return str(make_model(kind, cache.expanduser() / kind))
 
 
-def start_engine(kind: str, mode: str, offload: bool = True, **overrides):
+def start_engine(
+    kind: str, mode: str, offload: bool = True, pass_config: dict | None = None, **overrides
+):
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc probes
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # skips a ~96 s JIT build
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA is up in pytest
     # Dropped memory comes back zeroed: state that wrongly lives in a dropped tag
     # breaks the first cycle instead of surviving by luck in reused pages.
     os.environ.setdefault("VLLM_GRAPH_SLEEP_ZERO_ON_WAKE", "1")
+    from vllm_graph_sleep.bench.server import keep_multicast_off
+
+    keep_multicast_off(os.environ)
     if mode == "breakable":
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
     from vllm import LLM
@@ -45,7 +50,11 @@ def start_engine(kind: str, mode: str, offload: bool = True, **overrides):
         max_model_len=512,
         max_num_seqs=8,
         seed=0,
-        compilation_config={**MODES[mode], "cudagraph_capture_sizes": [1, 2, 4, 8]},
+        compilation_config={
+            **MODES[mode],
+            "cudagraph_capture_sizes": [1, 2, 4, 8],
+            **({"pass_config": pass_config} if pass_config else {}),
+        },
     )
     if offload:
         kwargs["additional_config"] = {"sleep_mode_offload_cudagraph": True}
@@ -94,4 +103,18 @@ def sleep_wake_cycles(llm, reference: list[list[int]], cycles: int) -> None:
             llm.wake_up(tags=["weights"])
             llm.collective_rpc("reload_weights")
             llm.wake_up(tags=["kv_cache"])
-        assert greedy_tokens(llm) == reference, f"cycle {cycle} (kind {kind}) changed the tokens"
+        assert_same_tokens(greedy_tokens(llm), reference, f"cycle {cycle} (kind {kind})")
+
+
+def assert_same_tokens(got: list[list[int]], reference: list[list[int]], when: str) -> None:
+    """Names the first prompt and position that differ, with both continuations."""
+    for prompt, (new, old) in enumerate(zip(got, reference, strict=True)):
+        if new != old:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(new, old, strict=False)) if a != b),
+                min(len(new), len(old)),
+            )
+            raise AssertionError(
+                f"{when}: prompt {prompt} differs from token {at} on: "
+                f"got {new[at : at + 8]}, reference {old[at : at + 8]}"
+            )

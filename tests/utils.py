@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,12 @@ requires_gpu = pytest.mark.skipif(
 cuda_only = pytest.mark.skipif(torch.version.hip is not None, reason="CUDA-only behaviour")
 
 
+#: Seconds a fresh-process test may run before it is stopped and reported.
+CHILD_TIMEOUT_S = float(os.environ.get("GRAPH_SLEEP_TEST_TIMEOUT", "900"))
+#: If set, every child's whole output is appended to this file (GPU runs keep it).
+CHILD_LOG = os.environ.get("GRAPH_SLEEP_TEST_LOG")
+
+
 def fresh_process(test):
     """Runs the test in a new Python process (a new CUDA context and a new
     allocator singleton), by re-running just this test id under pytest."""
@@ -31,19 +38,30 @@ def fresh_process(test):
         node_id = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
         # -s: the child's own logs go out first, so pytest's failure report
         # (assertion and traceback) ends the output and survives the tail below.
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-s", "--tb=short"]
-            + ["-p", "no:cacheprovider", node_id],
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-s", "--tb=short"]
+        command += ["-p", "no:cacheprovider", node_id]
+        env = {**os.environ, _CHILD_ENV: "1"}
+        # A session of its own: a stopped child takes its engine processes along.
+        with subprocess.Popen(
+            command,
             cwd=ROOT,
-            env={**os.environ, _CHILD_ENV: "1"},
-            capture_output=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-        )
-        if result.returncode != 0:
-            pytest.fail(
-                f"{node_id} failed in its own process:\n{result.stdout[-6000:]}\n"
-                f"{result.stderr[-3000:]}",
-                pytrace=False,
-            )
+            start_new_session=True,
+        ) as child:
+            try:
+                stdout, stderr = child.communicate(timeout=CHILD_TIMEOUT_S)
+                failure = None if child.returncode == 0 else "failed in its own process"
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                stdout, stderr = child.communicate()
+                failure = f"ran past {CHILD_TIMEOUT_S:.0f} s in its own process and was stopped"
+        if CHILD_LOG:
+            with open(CHILD_LOG, "a") as log:
+                log.write(f"\n===== {node_id}: {failure or 'passed'}\n{stdout}\n{stderr}\n")
+        if failure:
+            pytest.fail(f"{node_id} {failure}:\n{stdout[-6000:]}\n{stderr[-3000:]}", pytrace=False)
 
     return wrapper

@@ -588,7 +588,83 @@ def render_generic_bench(name: str, data: Json, charts: dict[str, str]) -> Secti
     return Section(title, name, lines, _platform_of(environment))
 
 
+# -- vllm-graph-sleep bench ------------------------------------------------------------
+
+BENCH_SCHEMA = "vllm-graph-sleep-bench/"
+
+
+def is_bench_run(data: Any) -> bool:
+    return (
+        isinstance(data, dict)
+        and str(data.get("schema", "")).startswith(BENCH_SCHEMA)
+        and isinstance(data.get("summary"), dict)
+    )
+
+
+def _per_gpu(values: Any, digits: int = 0) -> str:
+    if not isinstance(values, list) or not values:
+        return "-"
+    return " / ".join(fixed(v, digits) for v in values)
+
+
+def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
+    title = f"`vllm-graph-sleep bench`: stock vs graph offload over HTTP ({name})"
+    summary = data["summary"]
+    settings = data.get("settings") or {}
+    host = data.get("host") or {}
+    configs = [c for c in ("ours", "stock_graphs", "stock_eager") if c in summary]
+    configs += sorted(c for c in summary if c not in configs)
+    levels = [str(level) for level in settings.get("levels") or LEVELS]
+    wakes = list(settings.get("wakes") or ("full", "staged"))
+    lines = [
+        "A real `vllm serve` per configuration, driven over HTTP: greedy completions, "
+        "`/sleep`, `/wake_up` (full, or `weights` then `kv_cache` with `reload_weights` "
+        "after level 2). Memory is NVML used memory minus the idle GPU before the server "
+        "started, one figure per GPU (`a / b`); medians over the cycles.",
+        "",
+        *provenance(data),
+        f"- Model: {code(str(data.get('model')))}, tp {settings.get('tp')}, "
+        f"{settings.get('cycles')} cycle(s) of levels {', '.join(levels)} x wakes "
+        f"{', '.join(wakes)}, gpu_memory_utilization {settings.get('gpu_memory_utilization')}",
+        "- Host: "
+        + ", ".join(
+            f"{key} {', '.join(map(str, host[key])) if isinstance(host[key], list) else host[key]}"
+            for key in ("gpus", "driver_version", "vllm", "torch", "python")
+            if host.get(key) is not None
+        ),
+        "",
+    ]
+    rows: list[list[str]] = []
+
+    def row(label: str, cell: Callable[[Json], str]) -> None:
+        rows.append([label, *[cell(summary[c]) for c in configs]])
+
+    row("engine start (s)", lambda s: fixed(s.get("start_s"), 1))
+    row("awake (MiB)", lambda s: _per_gpu(s.get("awake_mib")))
+    for level in levels:
+        row(f"asleep, level {level} (MiB)", lambda s, lv=level: _per_gpu(s["asleep_mib"].get(lv)))
+    tags = sorted({tag for c in configs for tag in summary[c].get("tags_awake_mib") or {}})
+    for tag in tags:
+        row(
+            f"tag {tag}, awake (MiB)",
+            lambda s, t=tag: _per_gpu((s.get("tags_awake_mib") or {}).get(t)),
+        )
+    for level in levels:
+        row(f"sleep, level {level} (ms)", lambda s, lv=level: fixed(s["sleep_ms"].get(lv), 0))
+        for wake in wakes:
+            key = f"{level} {wake}"
+            row(f"wake, level {key} (ms)", lambda s, k=key: fixed(s["wake_ms"].get(k), 0))
+    row("decode before 1st sleep (tok/s)", lambda s: fixed(s["decode_tps"].get("before"), 0))
+    row("decode after last wake (tok/s)", lambda s: fixed(s["decode_tps"].get("after"), 0))
+    row("bit-exact after wake", lambda s: "{}/{}".format(*s["exact"]))
+    lines += table(["", *[code(c) for c in configs]], rows)
+    plot = f"{Path(name).stem}.png"
+    lines += ["", f"![GPU memory through the cycles]({plot})"]
+    return Section(title, name, lines, "cuda" if host.get("gpus") else None)
+
+
 RENDERERS: tuple[tuple[Callable[[Any], bool], Callable[..., Section]], ...] = (
+    (is_bench_run, render_bench_run),
     (is_allocator_bench, render_allocator_bench),
     (is_sleep_memory, render_sleep_memory),
     (is_generic_bench, render_generic_bench),

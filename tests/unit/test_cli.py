@@ -177,6 +177,14 @@ def test_server_env_turns_dev_mode_on_and_keeps_the_rest():
     assert server_env({})["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
 
 
+def test_server_env_keeps_flashinfer_all_reduce_off_multicast_where_it_is_off():
+    assert server_env({"NCCL_NVLS_ENABLE": "0"})["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == "trtllm"
+    assert "VLLM_FLASHINFER_ALLREDUCE_BACKEND" not in server_env({})
+    assert "VLLM_FLASHINFER_ALLREDUCE_BACKEND" not in server_env({"NCCL_NVLS_ENABLE": "1"})
+    chosen = {"NCCL_NVLS_ENABLE": "0", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "mnnvl"}
+    assert server_env(chosen)["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == "mnnvl"
+
+
 def test_visible_gpu_ids():
     assert gpu.visible_gpu_ids({}) is None
     assert gpu.visible_gpu_ids({"CUDA_VISIBLE_DEVICES": ""}) == []

@@ -50,6 +50,17 @@ def test_renders_the_key_figures_into_a_folder(tmp_path):
         pool = ours[f"level{level}_asleep_report"]["tags"]["cudagraph"]["backed_up"]
         assert pool > 0 and f"{render_results.mib(pool)} on host" in index
 
+    run = _load("bench-h200.json")
+    lines = index.splitlines()
+    for label, key in (("asleep, level 1 (MiB)", "1"), ("asleep, level 2 (MiB)", "2")):
+        row = next(line for line in lines if line.startswith(f"| {label} |"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")][1:]
+        expected = [f"{run['summary'][c]['asleep_mib'][key][0]:.0f}" for c in run["summary"]]
+        assert cells == expected, row
+    exact = next(line for line in lines if line.startswith("| bit-exact after wake |"))
+    assert exact.count("8/8") == len(run["summary"])
+    assert "](bench-h200.png)" in index
+
     measured_on_rocm = [
         path.name
         for path in RESULTS.glob("*.json")

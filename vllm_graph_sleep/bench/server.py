@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 
 PROBE_EXTENSION = "vllm_graph_sleep.probe.ProbeWorkerExtension"
@@ -84,12 +84,22 @@ def serve_command(
     ]
 
 
+def keep_multicast_off(env: MutableMapping[str, str]) -> None:
+    """Where NVLink multicast is turned off (NCCL_NVLS_ENABLE=0), keeps vLLM's
+    FlashInfer all-reduce off it too: at TP > 1 vLLM 0.26 picks FlashInfer's
+    "mnnvl" backend, which creates multicast objects whatever NCCL was told; its
+    "trtllm" backend uses plain IPC buffers. An explicit choice is kept."""
+    if env.get("NCCL_NVLS_ENABLE") == "0":
+        env.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
+
+
 def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The bench's environment (NCCL_* and the rest kept) plus the dev endpoints."""
     env = dict(os.environ if environ is None else environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up, /is_sleeping, /collective_rpc
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # skips a ~96 s JIT build
     env.setdefault("PYTHONUNBUFFERED", "1")
+    keep_multicast_off(env)
     return env
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.engine_utils import (
     CYCLES,
+    assert_same_tokens,
     greedy_tokens,
     mapped,
     report,
@@ -44,7 +45,8 @@ def test_graphs_live_in_the_pool_and_tokens_survive_cycles(kind, mode):
     # across sleep; only the KV tensors are dropped.
     assert 0 < mapped(awake)["runtime"] < mapped(awake)["kv_cache"]
     reference = greedy_tokens(llm)
-    assert greedy_tokens(llm) == reference  # greedy decoding is deterministic here
+    # Greedy decoding is deterministic here (second run hits the prefix cache).
+    assert_same_tokens(greedy_tokens(llm), reference, "second run before any sleep")
     sleep_wake_cycles(llm, reference, CYCLES)
     assert mapped(report(llm)) == mapped(awake)
 
