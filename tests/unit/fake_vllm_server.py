@@ -13,7 +13,7 @@ Level 2 discards the weights: until reload_weights runs, completions come out
 wrong, as they would on a real server. Environment switches for failure tests:
 FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_DIE_ON_SLEEP=1 (the
 process exits on the first /sleep), FAKE_START_DELAY=S (seconds before /health
-answers).
+answers), FAKE_ENGINE_FAILS=1 (logs vLLM's engine start-up failure, then hangs).
 """
 
 from __future__ import annotations
@@ -195,6 +195,11 @@ def main() -> int:
     args = parser.parse_args()
     print(f"fake-vllm: serving {args.config} on {args.port}", flush=True)
     Handler.state = State(args.config, args.used_file)
+    if os.environ.get("FAKE_ENGINE_FAILS"):
+        # vLLM's engine core dying at start-up while the API server hangs on.
+        print("(EngineCore pid=1) ERROR [core.py:1330] EngineCore failed to start.", flush=True)
+        print("(EngineCore pid=1) ERROR [core.py:1330] RuntimeError: Worker failed", flush=True)
+        time.sleep(600)
     Handler.ready_at = time.monotonic() + float(os.environ.get("FAKE_START_DELAY", "0.3"))
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     try:

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -449,6 +450,21 @@ def test_bench_server_never_healthy_is_killed(fake_bench, monkeypatch, capsys):
     assert "[ours] vllm serve was not healthy after 1 s (--start-timeout)" in line
     record = json.loads((out / "results.json").read_text())["configs"][0]
     assert record["server_exit_code"] is not None  # stopped, not left running
+
+
+def test_bench_engine_that_fails_to_start_is_reported_without_waiting(
+    fake_bench, monkeypatch, capsys
+):
+    argv, out = fake_bench
+    monkeypatch.setenv("FAKE_ENGINE_FAILS", "1")
+    started = time.monotonic()
+    assert cli.main([*argv, "--start-timeout", "120"]) == cli.EXIT_FAILED
+    assert time.monotonic() - started < 60
+    line = _one_line_failure(capsys)
+    assert "[ours] vllm serve's engine failed to start: RuntimeError: Worker failed" in line
+    assert line.endswith(f"server log: {out / 'ours.server.log'}")
+    record = json.loads((out / "results.json").read_text())["configs"][0]
+    assert record["server_exit_code"] is not None  # stopped, not left hanging
 
 
 def test_bench_tokens_that_differ_fail_the_run(fake_bench, monkeypatch, capsys):

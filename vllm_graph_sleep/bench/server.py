@@ -10,6 +10,7 @@ left after the timeout.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -103,6 +104,12 @@ def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: What vLLM 0.26's engine core logs when it dies during start-up
+#: (vllm/v1/engine/core.py); the root cause follows as "<Name>Error: ..." lines.
+ENGINE_START_FAILED = "EngineCore failed to start."
+ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): .*$")
+
+
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path):
         self.name = name
@@ -130,6 +137,22 @@ class Server:
                 start_new_session=True,
             )
 
+    def startup_failure(self) -> str | None:
+        """The root-cause line vLLM logs when its engine core dies during start-up,
+        once it has; None before. The API server can hang on after that (seen
+        with TP=2 workers stuck in teardown), so waiting for its exit is not enough."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        if ENGINE_START_FAILED not in text:
+            return None
+        for line in text.split(ENGINE_START_FAILED, 1)[1].splitlines():
+            error = ERROR_LINE.search(line)
+            if error is not None:
+                return error.group(0).strip()
+        return ENGINE_START_FAILED
+
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
@@ -154,6 +177,11 @@ class Server:
                         return time.monotonic() - started
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
+            failure = self.startup_failure()
+            if failure is not None:
+                raise ServerError(
+                    f"[{self.name}] vllm serve's engine failed to start: {failure}; {self.where()}"
+                )
             now = time.monotonic()
             if now - started > timeout:
                 raise ServerError(
