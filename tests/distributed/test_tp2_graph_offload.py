@@ -17,6 +17,7 @@ from tests.engine_utils import (
     greedy_tokens,
     mapped,
     reports,
+    set_engine_env,
     sleep_wake_cycles,
     start_engine,
 )
@@ -41,7 +42,9 @@ def test_tp2_cycles_bit_exact(custom_all_reduce, executor):
         import ray
 
         # The plugin must load in Ray's own worker processes (vLLM's general
-        # plugins); the probe below reads its state there.
+        # plugins); the probe below reads its state there. Workers inherit the
+        # environment Ray starts with, so it is set first.
+        set_engine_env()
         ray.init(num_gpus=2, object_store_memory=1 << 30, include_dashboard=False)
     llm = start_engine(
         "llama",

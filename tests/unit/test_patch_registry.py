@@ -37,3 +37,15 @@ def test_apply_all_is_idempotent():
     first = (gpu_worker.Worker.init_device, gpu_worker.get_mem_allocator_instance)
     patches.apply_all()
     assert (gpu_worker.Worker.init_device, gpu_worker.get_mem_allocator_instance) == first
+
+
+def test_kv_init_split_is_wired_into_both_model_runners():
+    from vllm.v1.worker import gpu_model_runner, gpu_worker
+    from vllm.v1.worker.gpu import attn_utils
+
+    from vllm_graph_sleep.patches._wrap import is_wrapped
+
+    patches.apply_all()
+    assert is_wrapped(gpu_worker.Worker._maybe_get_memory_pool_context)
+    assert is_wrapped(attn_utils._allocate_kv_cache)  # V2, looked up as a module global
+    assert is_wrapped(gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors)  # V1
