@@ -1,5 +1,6 @@
-"""The flag, the gate that decides whether graph offload is active, and the
-NCCL policy that comes with it."""
+"""The flag, the gate that decides whether graph offload is active, the NCCL
+policy that comes with it, and the FlashInfer all-reduce backend that suits a
+host without NVLink multicast."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ logger = logging.getLogger("vllm.graph_sleep")
 FLAG = "sleep_mode_offload_cudagraph"
 BACKEND_NAME = "graph_sleep"
 NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"
+FLASHINFER_ALLREDUCE_BACKEND = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 
 _active_in_this_process = False
 
@@ -99,3 +101,17 @@ def mark_active() -> None:
 def is_active() -> bool:
     """True in a worker process where graph offload was switched on."""
     return _active_in_this_process
+
+
+def multicast_free_all_reduce_backend(environ: MutableMapping[str, str]) -> str | None:
+    """ "trtllm" where NVLink multicast is off (NCCL_NVLS_ENABLE=0) and no FlashInfer
+    all-reduce backend was chosen, else None. At TP > 1 vLLM 0.26 picks FlashInfer's
+    "mnnvl" backend, which creates multicast objects whatever NCCL was told; its
+    "trtllm" backend uses plain IPC buffers. A TP=2 start on an H200 host with
+    multicast off failed in memory profiling with mnnvl selected
+    (docs/results/multi-gpu-h200x2.md)."""
+    if environ.get("NCCL_NVLS_ENABLE") != "0":
+        return None
+    if environ.get(FLASHINFER_ALLREDUCE_BACKEND, "auto") != "auto":
+        return None
+    return "trtllm"

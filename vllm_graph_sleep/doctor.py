@@ -315,9 +315,18 @@ def all_reduce_mode(
     environ: MutableMapping[str, str],
     diag: Diagnosis,
 ) -> str:
+    from vllm_graph_sleep import config
+
     tp = engine_args.tensor_parallel_size
     if tp <= 1:
         return "none (tensor parallel size 1)"
+    backend = config.multicast_free_all_reduce_backend(environ)
+    if platform.is_cuda() and backend is not None:
+        diag.warnings.append(
+            "NVLink multicast is off here (NCCL_NVLS_ENABLE=0), but at TP > 1 vLLM 0.26 picks "
+            "FlashInfer's mnnvl all-reduce, which uses multicast anyway: set "
+            f"{config.FLASHINFER_ALLREDUCE_BACKEND}={backend}"
+        )
     if engine_args.disable_custom_all_reduce:
         return "disabled by --disable-custom-all-reduce (NCCL all-reduce; nothing registered)"
     aiter = (

@@ -494,7 +494,13 @@ ACTIVE = ("m", "--enable-sleep-mode", "--sleep-mode-offload-cudagraph")
 
 @pytest.fixture(autouse=True)
 def _clean_doctor_env(monkeypatch):
-    for name in ("NCCL_GRAPH_REGISTER", "VLLM_ROCM_USE_AITER", "VLLM_PLUGINS"):
+    for name in (
+        "NCCL_GRAPH_REGISTER",
+        "NCCL_NVLS_ENABLE",
+        "VLLM_FLASHINFER_ALLREDUCE_BACKEND",
+        "VLLM_ROCM_USE_AITER",
+        "VLLM_PLUGINS",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -597,6 +603,26 @@ def test_doctor_disable_custom_all_reduce(capsys):
     )
     assert code == 0
     assert "disabled by --disable-custom-all-reduce" in line_of(out, "custom all-reduce")
+
+
+@pytest.mark.parametrize(
+    ("environ", "tp", "warned"),
+    [
+        ({"NCCL_NVLS_ENABLE": "0"}, "2", True),
+        ({"NCCL_NVLS_ENABLE": "0", "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "trtllm"}, "2", False),
+        ({"NCCL_NVLS_ENABLE": "0"}, "1", False),
+        ({}, "2", False),
+    ],
+)
+def test_doctor_warns_about_flashinfer_multicast_where_it_is_off(
+    capsys, monkeypatch, environ, tp, warned
+):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, "-tp", tp)
+    assert code == 0
+    warning = "set VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm"
+    assert (warning in out) == warned, out
 
 
 @pytest.mark.parametrize(

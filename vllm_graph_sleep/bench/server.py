@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 
+from vllm_graph_sleep import config
+
 PROBE_EXTENSION = "vllm_graph_sleep.probe.ProbeWorkerExtension"
 
 #: Per configuration: what it adds to the common `vllm serve` arguments.
@@ -86,12 +88,10 @@ def serve_command(
 
 
 def keep_multicast_off(env: MutableMapping[str, str]) -> None:
-    """Where NVLink multicast is turned off (NCCL_NVLS_ENABLE=0), keeps vLLM's
-    FlashInfer all-reduce off it too: at TP > 1 vLLM 0.26 picks FlashInfer's
-    "mnnvl" backend, which creates multicast objects whatever NCCL was told; its
-    "trtllm" backend uses plain IPC buffers. An explicit choice is kept."""
-    if env.get("NCCL_NVLS_ENABLE") == "0":
-        env.setdefault("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
+    """Keeps vLLM's FlashInfer all-reduce off NVLink multicast where it is off."""
+    backend = config.multicast_free_all_reduce_backend(env)
+    if backend is not None:
+        env[config.FLASHINFER_ALLREDUCE_BACKEND] = backend
 
 
 def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
