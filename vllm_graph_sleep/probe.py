@@ -27,6 +27,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
         "torch_reserved_bytes": torch.cuda.memory_reserved(),
         "nccl_graph_register": os.environ.get(config.NCCL_GRAPH_REGISTER),
         "custom_all_reduce": custom_all_reduce_mode(),
+        "custom_all_reduce_captures": custom_all_reduce_captures(),
     }
     if GraphSleepAllocator._instance is not None:
         allocator = GraphSleepAllocator._instance
@@ -59,6 +60,22 @@ def custom_all_reduce_mode() -> str:
     if custom is None or custom.disabled:
         return "off"
     return "copy-in" if config.is_active() else "registered"
+
+
+def custom_all_reduce_captures() -> dict[str, int] | None:
+    """How many captured all-reduces of vLLM's custom all-reduce took the copy-in
+    path and how many read a registered (IPC-exported) input; None without one.
+    Counted only while graph offload is active."""
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    from vllm_graph_sleep.patches.distributed_device_communicators_custom_all_reduce import (
+        captured_all_reduces,
+    )
+
+    if not model_parallel_is_initialized():
+        return None
+    custom = getattr(get_tp_group().device_communicator, "ca_comm", None)
+    return None if custom is None else captured_all_reduces(custom)
 
 
 class ProbeWorkerExtension:

@@ -63,5 +63,10 @@ def test_tp2_cycles_bit_exact(custom_all_reduce, executor):
         assert rank["graph_offload_active"] and mapped(rank)["cudagraph"] > 0
         assert rank["nccl_graph_register"] == "0"
         assert rank["custom_all_reduce"] == ("copy-in" if custom_all_reduce else "off")
+        if custom_all_reduce:
+            # Graphs did capture custom all-reduces, and none read a graph-pool
+            # input in place (that would need the input IPC-registered).
+            captures = rank["custom_all_reduce_captures"]
+            assert captures["copy_in"] > 0 and captures["registered"] == 0, captures
     reference = greedy_tokens(llm)
     sleep_wake_cycles(llm, reference, CYCLES)

@@ -94,6 +94,20 @@ def test_vllm_capture_stages_through_the_ipc_buffer_when_active(gate, stream, vl
     out = vllm_comm.custom_all_reduce(x)
     assert vllm_comm.launches == [(HANDLE, STAGING[1], vllm_comm.max_size)]
     assert out.shape == x.shape and out.dtype == x.dtype
+    vllm_comm.custom_all_reduce(x)
+    assert ca_patch.captured_all_reduces(vllm_comm) == {"copy_in": 2, "registered": 0}
+
+
+@ACTIVE
+def test_vllm_captured_all_reduces_are_counted_only_when_active(gate, stream, vllm_comm, active):
+    gate(active)
+    vllm_comm._IS_CAPTURING = stream.capturing = True
+    vllm_comm.all_reduce(hidden(), registered=True)  # what stock capture does
+    vllm_comm.all_reduce(hidden())
+    stream.capturing = False
+    vllm_comm.all_reduce(hidden())  # eager: not counted
+    expected = {"copy_in": 1, "registered": 1} if active else {"copy_in": 0, "registered": 0}
+    assert ca_patch.captured_all_reduces(vllm_comm) == expected
 
 
 def test_vllm_capture_registers_the_input_when_inactive(gate, stream, vllm_comm):

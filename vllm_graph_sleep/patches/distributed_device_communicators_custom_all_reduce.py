@@ -1,7 +1,7 @@
 """Patch: vllm.distributed.device_communicators.custom_all_reduce
-(CustomAllreduce.custom_all_reduce).
+(CustomAllreduce.custom_all_reduce, CustomAllreduce.all_reduce).
 
-vLLM symbol: CustomAllreduce.custom_all_reduce(input), which calls
+vLLM symbols: CustomAllreduce.custom_all_reduce(input), which calls
 CustomAllreduce.all_reduce(inp, *, out=None, registered=False). Verified against
 vLLM 0.26.0 (custom_all_reduce.py: capture() 196-209, register_graph_buffers()
 211-228, all_reduce() 245-262, custom_all_reduce() 264-280).
@@ -33,6 +33,11 @@ comes straight from ops.allocate_shared_buffer_and_handle (cudaMalloc, or
 hipExtMallocWithFlags on ROCm), outside every torch pool, and was IPC-exported
 at construction already, so exporting it again works and pins nothing that
 sleep releases.
+
+With graph offload active, all_reduce also counts the calls it sees while the
+stream is really capturing, by `registered` (captured_all_reduces() reads them;
+the worker probe reports them): evidence on a GPU that every captured
+all-reduce took the copy-in path, and that there were some.
 
 QuickReduce (quick_all_reduce.py) is not touched: it copies into its own
 workspace and never registers graph inputs.
@@ -67,6 +72,25 @@ def _wrap_custom_all_reduce(original):
     return custom_all_reduce
 
 
+_CAPTURED = "_graph_sleep_captured_all_reduces"
+
+
+def captured_all_reduces(communicator) -> dict[str, int]:
+    """Captured all-reduces of this communicator while graph offload was active:
+    {"copy_in": n, "registered": m}."""
+    return dict(getattr(communicator, _CAPTURED, {"copy_in": 0, "registered": 0}))
+
+
+def _wrap_all_reduce(original):
+    def all_reduce(self, inp: torch.Tensor, *, out=None, registered: bool = False):
+        if config.is_active() and torch.cuda.is_current_stream_capturing():
+            counts = self.__dict__.setdefault(_CAPTURED, {"copy_in": 0, "registered": 0})
+            counts["registered" if registered else "copy_in"] += 1
+        return original(self, inp, out=out, registered=registered)
+
+    return all_reduce
+
+
 def apply() -> None:
     from vllm.distributed.device_communicators import custom_all_reduce
 
@@ -76,3 +100,4 @@ def apply() -> None:
     require(owner, "should_custom_ar", where=WHERE)
     require(owner, "capture", where=WHERE)
     wrap_function(owner, "custom_all_reduce", _wrap_custom_all_reduce, where=WHERE)
+    wrap_function(owner, "all_reduce", _wrap_all_reduce, where=WHERE)
