@@ -30,13 +30,15 @@ def model_dir(kind: str) -> str:
 def set_engine_env() -> None:
     """The environment engines of these tests (and their workers) start with;
     call it before anything starts worker processes (Ray included)."""
+    from vllm_graph_sleep.allocator import ZERO_ON_WAKE_ENV
+    from vllm_graph_sleep.bench.server import keep_multicast_off
+
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc probes
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # skips a ~96 s JIT build
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # CUDA is up in pytest
     # Dropped memory comes back zeroed: state that wrongly lives in a dropped tag
     # breaks the first cycle instead of surviving by luck in reused pages.
-    os.environ.setdefault("VLLM_GRAPH_SLEEP_ZERO_ON_WAKE", "1")
-    from vllm_graph_sleep.bench.server import keep_multicast_off
+    os.environ.setdefault(ZERO_ON_WAKE_ENV, "1")
 
     keep_multicast_off(os.environ)
 

@@ -47,16 +47,20 @@ def memory_report(worker: Any) -> dict[str, Any]:
     return report
 
 
+def _tp_custom_all_reduce() -> Any | None:
+    """vLLM's custom all-reduce of this worker's TP group, if it has one."""
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        return None
+    return getattr(get_tp_group().device_communicator, "ca_comm", None)
+
+
 def custom_all_reduce_mode() -> str:
     """How vLLM's custom all-reduce of this worker's TP group treats graph
     inputs: "off" (absent or disabled), "copy-in" (graph offload on: inputs are
     copied into its own registered buffer) or "registered" (stock)."""
-    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
-
-    if not model_parallel_is_initialized():
-        return "off"
-    communicator = get_tp_group().device_communicator
-    custom = getattr(communicator, "ca_comm", None)
+    custom = _tp_custom_all_reduce()
     if custom is None or custom.disabled:
         return "off"
     return "copy-in" if config.is_active() else "registered"
@@ -66,15 +70,11 @@ def custom_all_reduce_captures() -> dict[str, int] | None:
     """How many captured all-reduces of vLLM's custom all-reduce took the copy-in
     path and how many read a registered (IPC-exported) input; None without one.
     Counted only while graph offload is active."""
-    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
-
     from vllm_graph_sleep.patches.distributed_device_communicators_custom_all_reduce import (
         captured_all_reduces,
     )
 
-    if not model_parallel_is_initialized():
-        return None
-    custom = getattr(get_tp_group().device_communicator, "ca_comm", None)
+    custom = _tp_custom_all_reduce()
     return None if custom is None else captured_all_reduces(custom)
 
 

@@ -73,18 +73,19 @@ def _wrap_custom_all_reduce(original):
 
 
 _CAPTURED = "_graph_sleep_captured_all_reduces"
+_NO_CAPTURES = {"copy_in": 0, "registered": 0}
 
 
 def captured_all_reduces(communicator) -> dict[str, int]:
     """Captured all-reduces of this communicator while graph offload was active:
     {"copy_in": n, "registered": m}."""
-    return dict(getattr(communicator, _CAPTURED, {"copy_in": 0, "registered": 0}))
+    return dict(getattr(communicator, _CAPTURED, _NO_CAPTURES))
 
 
 def _wrap_all_reduce(original):
     def all_reduce(self, inp: torch.Tensor, *, out=None, registered: bool = False):
         if config.is_active() and torch.cuda.is_current_stream_capturing():
-            counts = self.__dict__.setdefault(_CAPTURED, {"copy_in": 0, "registered": 0})
+            counts = self.__dict__.setdefault(_CAPTURED, dict(_NO_CAPTURES))
             counts["registered" if registered else "copy_in"] += 1
         return original(self, inp, out=out, registered=registered)
 
