@@ -1,5 +1,8 @@
 """GPU memory while asleep: ours (graphs in the pool) vs stock vLLM with graphs
-vs stock vLLM with --enforce-eager, same model and settings.
+vs stock vLLM with --enforce-eager, same model and settings. A fourth
+configuration, stock compiled without graphs (cudagraph_mode NONE), splits
+what ours keeps over eager into torch.compile's share (its kernels' code) and
+the graphs' share.
 
 Each configuration runs in its own process (one engine per process). Memory is
 NVML's used memory for the GPU (what another process can no longer use) plus
@@ -21,6 +24,7 @@ from pathlib import Path
 CONFIGS = {
     "ours": {"offload": True, "enforce_eager": False},
     "stock_graphs": {"offload": False, "enforce_eager": False},
+    "stock_compiled": {"offload": False, "enforce_eager": False, "graphs": False},
     "stock_eager": {"offload": False, "enforce_eager": True},
 }
 
@@ -64,6 +68,8 @@ def run_one(name: str, model: str, utilization: float) -> dict:
         seed=0,
         enforce_eager=settings["enforce_eager"],
     )
+    if not settings.get("graphs", True):
+        kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
     if settings["offload"]:
         kwargs["additional_config"] = {"sleep_mode_offload_cudagraph": True}
     started = time.perf_counter()
@@ -126,16 +132,20 @@ def main() -> int:
         one_out.unlink()
     by_name = {r["config"]: r for r in results}
     summary = {}
-    if "stock_eager" in by_name:
-        eager = by_name["stock_eager"]
+    for baseline in ("stock_eager", "stock_compiled"):
+        if baseline not in by_name:
+            continue
+        base = by_name[baseline]
         for r in results:
-            summary[r["config"]] = {
-                f"level{lv}_over_stock_eager_mib": (
-                    r[f"level{lv}_asleep_used_bytes"] - eager[f"level{lv}_asleep_used_bytes"]
-                )
-                / 2**20
-                for lv in (1, 2)
-            }
+            summary.setdefault(r["config"], {}).update(
+                {
+                    f"level{lv}_over_{baseline}_mib": (
+                        r[f"level{lv}_asleep_used_bytes"] - base[f"level{lv}_asleep_used_bytes"]
+                    )
+                    / 2**20
+                    for lv in (1, 2)
+                }
+            )
     # Read only now: touching CUDA here earlier would hold a context on the GPU
     # while the configurations are measured.
     import vllm
@@ -157,7 +167,8 @@ def main() -> int:
     )
     for r in results:
         print(
-            f"{r['config']:>13}: awake {r['awake_used_bytes'] / 2**20:8.0f} MiB  "
+            f"{r['config']:>14}: graphs {r['awake_report']['cudagraphs_captured']:4d}  "
+            f"awake {r['awake_used_bytes'] / 2**20:8.0f} MiB  "
             f"L1 asleep {r['level1_asleep_used_bytes'] / 2**20:8.0f} MiB  "
             f"L2 asleep {r['level2_asleep_used_bytes'] / 2**20:8.0f} MiB  "
             f"wake L1 {r['level1_wake_s']:.2f}s  "

@@ -28,6 +28,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
         "nccl_graph_register": os.environ.get(config.NCCL_GRAPH_REGISTER),
         "custom_all_reduce": custom_all_reduce_mode(),
         "custom_all_reduce_captures": custom_all_reduce_captures(),
+        "cudagraphs_captured": cudagraphs_captured(),
     }
     if GraphSleepAllocator._instance is not None:
         allocator = GraphSleepAllocator._instance
@@ -45,6 +46,14 @@ def memory_report(worker: Any) -> dict[str, Any]:
         report["allocator"] = "vllm"
         report["tags"] = tags
     return report
+
+
+def cudagraphs_captured() -> int:
+    """Graphs this worker captured (vLLM counts FULL and PIECEWISE alike): what
+    per-graph residue multiplies with."""
+    from vllm.compilation.counter import compilation_counter
+
+    return compilation_counter.num_cudagraph_captured
 
 
 def _tp_custom_all_reduce() -> Any | None:

@@ -2,7 +2,10 @@
 with the bench's own server and client.
 
 Both engines hold the same weights, so greedy tokens must be identical whichever
-engine serves a prompt, before the first sleep and after every wake.
+engine serves a prompt, before the first sleep and after every wake. vLLM's
+API server returns a collective RPC's result from the first engine only
+(DPLBAsyncMPClient.call_utility_async), so the probe reads engine 0; NVML shows
+that both GPUs give their memory back.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ def test_dp2_cycles_bit_exact_and_both_gpus_release(tmp_path: Path):
         server.wait_healthy(timeout=900)
         client = Client(server.base_url, "dp2", server.where)
         client.served_model()
+        probe = client.memory_report()[0]
+        assert probe["graph_offload_active"] and probe["tags"]["cudagraph"]["mapped"] > 0
+        assert probe["nccl_graph_register"] == "0"
         reference = client.complete(PROMPTS, MAX_TOKENS).token_ids
         awake = settle(memory)
         for cycle in range(CYCLES):
