@@ -12,6 +12,20 @@ PROMPTS = [
     "Sleep mode lets a server",
     "Numbers: one two three",
 ]
+#: FULL mode's prompts: each longer than the largest capture size below (8
+#: tokens), so no prefill is replayed through a FULL graph, and shorter than one
+#: KV block (16), so the prefix cache cannot shrink a repeated prefill to fit one.
+#: vLLM 0.26's model runner V2 captures every FULL graph of at most max_num_seqs
+#: tokens with one token per request (max_query_len 1 in the attention launch)
+#: yet replays it for any batch that fits, prefills included: stock vLLM then
+#: gives wrong tokens, with or without sleep (docs/results/engine-h200.md).
+FULL_MODE_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog today",
+    "In a distant galaxy, the engineers",
+    "Numbers: one two three four five six seven",
+    "The old engineer visited the museum near the river",
+]
+LARGEST_CAPTURE_SIZE = 8
 MODES = {
     "full": {"cudagraph_mode": "FULL"},
     "piecewise": {"cudagraph_mode": "PIECEWISE"},
@@ -60,7 +74,7 @@ def start_engine(
         seed=0,
         compilation_config={
             **MODES[mode],
-            "cudagraph_capture_sizes": [1, 2, 4, 8],
+            "cudagraph_capture_sizes": [1, 2, 4, LARGEST_CAPTURE_SIZE],
             **({"pass_config": pass_config} if pass_config else {}),
         },
     )
@@ -70,10 +84,14 @@ def start_engine(
     return LLM(**kwargs)
 
 
-def greedy_tokens(llm) -> list[list[int]]:
+def prompts_for(mode: str) -> list[str]:
+    return FULL_MODE_PROMPTS if mode == "full" else PROMPTS
+
+
+def greedy_tokens(llm, prompts: list[str] = PROMPTS) -> list[list[int]]:
     from vllm import SamplingParams
 
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
     return [list(output.outputs[0].token_ids) for output in outputs]
 
 
@@ -92,15 +110,22 @@ def mapped(report_: dict) -> dict[str, int]:
     return {tag: usage["mapped"] for tag, usage in report_["tags"].items()}
 
 
-def repeat_without_sleep(llm, reference: list[list[int]], runs: int) -> None:
+def repeat_without_sleep(
+    llm, reference: list[list[int]], runs: int, prompts: list[str] = PROMPTS
+) -> None:
     """Greedy decoding must already be stable without any sleep (later runs hit
     the prefix cache): otherwise a difference after a wake proves nothing."""
     for run in range(runs):
-        assert_same_tokens(greedy_tokens(llm), reference, f"run {run + 2} before any sleep")
+        got = greedy_tokens(llm, prompts)
+        assert_same_tokens(got, reference, f"run {run + 2} before any sleep")
 
 
 def sleep_wake_cycles(
-    llm, reference: list[list[int]], cycles: int, graph_offload: bool = True
+    llm,
+    reference: list[list[int]],
+    cycles: int,
+    graph_offload: bool = True,
+    prompts: list[str] = PROMPTS,
 ) -> None:
     """Mixes level 1 + full wake, level 1 + staged wake, level 2 + reload."""
     for cycle in range(cycles):
@@ -121,7 +146,7 @@ def sleep_wake_cycles(
             llm.wake_up(tags=["weights"])
             llm.collective_rpc("reload_weights")
             llm.wake_up(tags=["kv_cache"])
-        assert_same_tokens(greedy_tokens(llm), reference, f"cycle {cycle} (kind {kind})")
+        assert_same_tokens(greedy_tokens(llm, prompts), reference, f"cycle {cycle} (kind {kind})")
 
 
 def assert_same_tokens(got: list[list[int]], reference: list[list[int]], when: str) -> None:

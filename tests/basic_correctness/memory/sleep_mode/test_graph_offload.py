@@ -13,6 +13,7 @@ from tests.engine_utils import (
     CYCLES,
     greedy_tokens,
     mapped,
+    prompts_for,
     repeat_without_sleep,
     report,
     sleep_wake_cycles,
@@ -44,20 +45,23 @@ def test_graphs_live_in_the_pool_and_tokens_survive_cycles(kind, mode):
     # KV-init state (attention metadata, block tables, graph inputs) is kept
     # across sleep; only the KV tensors are dropped.
     assert 0 < mapped(awake)["runtime"] < mapped(awake)["kv_cache"]
-    reference = greedy_tokens(llm)
-    repeat_without_sleep(llm, reference, CYCLES)
-    sleep_wake_cycles(llm, reference, CYCLES)
+    prompts = prompts_for(mode)
+    reference = greedy_tokens(llm, prompts)
+    repeat_without_sleep(llm, reference, CYCLES, prompts)
+    sleep_wake_cycles(llm, reference, CYCLES, prompts=prompts)
     assert mapped(report(llm)) == mapped(awake)
 
 
 @fresh_process
 def test_stock_full_mode_through_the_same_cycles():
-    """Control for FULL mode: stock vLLM 0.26 (no flag) through the same cycles.
-    If it fails too, a FULL failure with the flag is not ours to explain."""
+    """Control for FULL mode: stock vLLM 0.26 (no flag) through the same cycles
+    with the same prompts. If it fails too, a FULL failure with the flag is not
+    ours to explain."""
     llm = start_engine("llama", "full", offload=False)
-    reference = greedy_tokens(llm)
-    repeat_without_sleep(llm, reference, CYCLES)
-    sleep_wake_cycles(llm, reference, CYCLES, graph_offload=False)
+    prompts = prompts_for("full")
+    reference = greedy_tokens(llm, prompts)
+    repeat_without_sleep(llm, reference, CYCLES, prompts)
+    sleep_wake_cycles(llm, reference, CYCLES, graph_offload=False, prompts=prompts)
 
 
 @fresh_process

@@ -1,0 +1,23 @@
+"""The FULL-mode prompts keep every prefill out of FULL graphs (see
+tests/engine_utils.FULL_MODE_PROMPTS): checked with the tokenizer the test
+models are made with."""
+
+from __future__ import annotations
+
+from tests.engine_utils import FULL_MODE_PROMPTS, LARGEST_CAPTURE_SIZE, PROMPTS, prompts_for
+
+KV_BLOCK_SIZE = 16  # vLLM's default block size for the FlashAttention backend
+
+
+def test_full_mode_prompts_prefill_longer_than_any_graph_and_shorter_than_a_block():
+    from vllm_graph_sleep.models import _train_tokenizer
+
+    tokenizer = _train_tokenizer()
+    lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in FULL_MODE_PROMPTS]
+    assert all(LARGEST_CAPTURE_SIZE < n < KV_BLOCK_SIZE for n in lengths), lengths
+
+
+def test_only_full_mode_uses_them():
+    assert prompts_for("full") == FULL_MODE_PROMPTS
+    for mode in ("piecewise", "full_and_piecewise", "breakable"):
+        assert prompts_for(mode) == PROMPTS
