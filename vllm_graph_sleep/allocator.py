@@ -226,6 +226,11 @@ class GraphSleepAllocator:
                 entry["dropped"] += allocation.size
         return usage
 
+    def pool_ids(self) -> set[tuple[int, int]]:
+        """Ids of every torch memory pool of ours (graph pool included)."""
+        pools = [*self._pools, *([self._graph_pool] if self._graph_pool is not None else [])]
+        return {tuple(pool.id) for pool in pools}
+
     def host_bytes(self) -> int:
         return sum(a.size for a in self.allocations.values() if a.host is not None)
 

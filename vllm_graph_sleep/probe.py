@@ -29,6 +29,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
         "custom_all_reduce": custom_all_reduce_mode(),
         "custom_all_reduce_captures": custom_all_reduce_captures(),
         "cudagraphs_captured": cudagraphs_captured(),
+        "foreign_pool_bytes": foreign_pool_bytes(torch.cuda.memory_snapshot(), our_pool_ids()),
     }
     if GraphSleepAllocator._instance is not None:
         allocator = GraphSleepAllocator._instance
@@ -46,6 +47,23 @@ def memory_report(worker: Any) -> dict[str, Any]:
         report["allocator"] = "vllm"
         report["tags"] = tags
     return report
+
+
+def our_pool_ids() -> set[tuple[int, int]]:
+    allocator = GraphSleepAllocator._instance
+    return set() if allocator is None else allocator.pool_ids()
+
+
+def foreign_pool_bytes(segments: list[dict[str, Any]], ours: set[tuple[int, int]]) -> int:
+    """Bytes of torch's private pools that are not ours (`segments` as
+    torch.cuda.memory_snapshot() lists them). Graphs captured anywhere but our
+    graph pool keep their memory in such a pool, so a capture site that escaped
+    the pool shows up here; (0, 0) is torch's ordinary allocator."""
+    return sum(
+        segment["total_size"]
+        for segment in segments
+        if tuple(segment["segment_pool_id"]) not in ours | {(0, 0)}
+    )
 
 
 def cudagraphs_captured() -> int:

@@ -61,6 +61,7 @@ def test_tp2_cycles_bit_exact(custom_all_reduce, executor):
     assert len({rank["pid"] for rank in awake}) == 2
     for rank in awake:
         assert rank["graph_offload_active"] and mapped(rank)["cudagraph"] > 0
+        assert rank["foreign_pool_bytes"] == 0, rank["foreign_pool_bytes"]
         assert rank["nccl_graph_register"] == "0"
         assert rank["custom_all_reduce"] == ("copy-in" if custom_all_reduce else "off")
         if custom_all_reduce:

@@ -314,3 +314,18 @@ def test_probe_reports_the_custom_all_reduce_mode(
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
     monkeypatch.setattr(config, "_active_in_this_process", active)
     assert custom_all_reduce_mode() == expected
+
+
+def test_probe_counts_private_pools_that_are_not_ours():
+    from vllm_graph_sleep.probe import foreign_pool_bytes
+
+    segments = [
+        {"segment_pool_id": (0, 0), "total_size": 1 << 20},  # torch's ordinary allocator
+        {"segment_pool_id": (3, 0), "total_size": 2 << 20},  # our graph pool
+        {"segment_pool_id": (4, 0), "total_size": 4 << 20},  # our kv_cache pool
+        {"segment_pool_id": (0, 7), "total_size": 8 << 20},  # a graph's own private pool
+        {"segment_pool_id": (0, 7), "total_size": 16 << 20},
+    ]
+    assert foreign_pool_bytes(segments, {(3, 0), (4, 0)}) == 24 << 20
+    assert foreign_pool_bytes(segments, set()) == 30 << 20
+    assert foreign_pool_bytes(segments[:3], {(3, 0), (4, 0)}) == 0

@@ -398,3 +398,23 @@ def test_nested_pool_gets_its_own_segments_and_routing_returns():
     torch.cuda.synchronize()
     assert bool((state == 1).all()) and bool((more_state == 1).all())
     assert int(outside.sum()) == MIB
+
+
+@fresh_process
+def test_probe_sees_a_graph_captured_outside_our_pool_and_not_one_inside():
+    from vllm_graph_sleep.probe import foreign_pool_bytes, our_pool_ids
+
+    def foreign() -> int:
+        return foreign_pool_bytes(torch.cuda.memory_snapshot(), our_pool_ids())
+
+    alloc = manager()
+    static = torch.zeros(MIB, device="cuda")
+    inside = torch.cuda.CUDAGraph()
+    with alloc.cudagraph_pool() as pool, torch.cuda.graph(inside, pool=pool.id):
+        inside_out = static * 2
+    assert alloc.mapped_bytes(GRAPH_TAG) > 0 and foreign() == 0
+    outside = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outside):  # a fresh private pool, as an escaped capture site gets
+        outside_out = static * 3
+    assert foreign() >= static.nbytes
+    del inside_out, outside_out

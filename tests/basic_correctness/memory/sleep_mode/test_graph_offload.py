@@ -13,6 +13,7 @@ from tests.engine_utils import (
     CYCLES,
     greedy_tokens,
     mapped,
+    model_dir,
     prompts_for,
     repeat_without_sleep,
     report,
@@ -32,7 +33,12 @@ pytestmark = requires_gpu
         ("llama", "piecewise"),
         ("llama", "breakable"),
         ("deepseek_v2", "full_and_piecewise"),
-        ("qwen3_moe", "full_and_piecewise"),
+        ("deepseek_v2", "full"),
+        ("deepseek_v2", "piecewise"),
+        ("deepseek_v2", "breakable"),
+        ("qwen3_moe", "full_and_piecewise"),  # model runner V1
+        ("qwen3_moe", "full"),
+        ("qwen3_moe", "piecewise"),
     ],
 )
 @fresh_process
@@ -42,6 +48,8 @@ def test_graphs_live_in_the_pool_and_tokens_survive_cycles(kind, mode):
     assert awake["graph_offload_active"] and awake["allocator"] == "vllm_graph_sleep"
     assert awake["nccl_graph_register"] == "0"
     assert mapped(awake)["cudagraph"] > 0
+    # No graph kept its memory in a private pool other than ours.
+    assert awake["foreign_pool_bytes"] == 0, awake["foreign_pool_bytes"]
     # KV-init state (attention metadata, block tables, graph inputs) is kept
     # across sleep; only the KV tensors are dropped.
     assert 0 < mapped(awake)["runtime"] < mapped(awake)["kv_cache"]
@@ -49,6 +57,29 @@ def test_graphs_live_in_the_pool_and_tokens_survive_cycles(kind, mode):
     reference = greedy_tokens(llm, prompts)
     repeat_without_sleep(llm, reference, CYCLES, prompts)
     sleep_wake_cycles(llm, reference, CYCLES, prompts=prompts)
+    assert mapped(report(llm)) == mapped(awake)
+
+
+@fresh_process
+def test_drafter_graphs_live_in_the_pool_and_tokens_survive_cycles():
+    """Speculative decoding with a draft model (model runner V1, which runs
+    vLLM's draft_model method): the drafter's graphs are captured too, and must
+    land in our pool like the target's."""
+    llm = start_engine(
+        "llama",
+        "full_and_piecewise",
+        speculative_config={
+            "method": "draft_model",
+            "model": model_dir("llama"),
+            "num_speculative_tokens": 2,
+        },
+    )
+    awake = report(llm)
+    assert awake["graph_offload_active"] and mapped(awake)["cudagraph"] > 0
+    assert awake["foreign_pool_bytes"] == 0, awake["foreign_pool_bytes"]
+    reference = greedy_tokens(llm)
+    repeat_without_sleep(llm, reference, CYCLES)
+    sleep_wake_cycles(llm, reference, CYCLES)
     assert mapped(report(llm)) == mapped(awake)
 
 
@@ -70,6 +101,8 @@ def test_without_the_flag_nothing_carries_the_graph_tag():
     awake = report(llm)
     assert not awake["graph_offload_active"] and awake["allocator"] == "vllm"
     assert "cudagraph" not in awake["tags"] and awake["tags"]["weights"]["mapped"] > 0
+    # Stock graphs live in torch's own graph pool: the probe sees them there.
+    assert awake["foreign_pool_bytes"] > 0
     assert awake["nccl_graph_register"] is None
     reference = greedy_tokens(llm)
     llm.sleep(level=1)
