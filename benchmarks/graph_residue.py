@@ -117,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"MiB, pool {result['pool_mapped_bytes'] / MIB:.1f} MiB, "
                 f"replay {'exact' if result['replay_exact'] else 'WRONG'}"
             )
+    from bench_allocator import environment
+
     report = {
         "benchmark": "graph memory outside the pool (graph executables)",
         "command": " ".join(["python", "benchmarks/graph_residue.py", *(argv or sys.argv[1:])]),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        "environment": environment(),
         "results": results,
     }
     if args.out:
