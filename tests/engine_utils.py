@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 CYCLES = int(os.environ.get("GRAPH_SLEEP_TEST_CYCLES", "10"))
@@ -58,8 +59,15 @@ def set_engine_env() -> None:
 
 
 def start_engine(
-    kind: str, mode: str, offload: bool = True, pass_config: dict | None = None, **overrides
+    kind: str,
+    mode: str,
+    offload: bool = True,
+    pass_config: dict | None = None,
+    compilation: dict | None = None,
+    **overrides,
 ):
+    """vllm.LLM on a local `kind` model in graph `mode`; `compilation` adds
+    compilation_config entries, `overrides` other LLM arguments."""
     set_engine_env()
     if mode == "breakable":
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
@@ -76,6 +84,7 @@ def start_engine(
             **MODES[mode],
             "cudagraph_capture_sizes": [1, 2, 4, LARGEST_CAPTURE_SIZE],
             **({"pass_config": pass_config} if pass_config else {}),
+            **(compilation or {}),
         },
     )
     if offload:
@@ -110,14 +119,23 @@ def mapped(report_: dict) -> dict[str, int]:
     return {tag: usage["mapped"] for tag, usage in report_["tags"].items()}
 
 
+#: Greedy tokens of one generation (a test's own prompts and inputs).
+Generate = Callable[[], list[list[int]]]
+
+
 def repeat_without_sleep(
-    llm, reference: list[list[int]], runs: int, prompts: list[str] = PROMPTS
+    llm,
+    reference: list[list[int]],
+    runs: int,
+    prompts: list[str] = PROMPTS,
+    generate: Generate | None = None,
 ) -> None:
     """Greedy decoding must already be stable without any sleep (later runs hit
-    the prefix cache): otherwise a difference after a wake proves nothing."""
+    the prefix cache): otherwise a difference after a wake proves nothing.
+    `generate` replaces greedy decoding of `prompts` (e.g. image prompts)."""
+    generate = generate or (lambda: greedy_tokens(llm, prompts))
     for run in range(runs):
-        got = greedy_tokens(llm, prompts)
-        assert_same_tokens(got, reference, f"run {run + 2} before any sleep")
+        assert_same_tokens(generate(), reference, f"run {run + 2} before any sleep")
 
 
 def sleep_wake_cycles(
@@ -126,8 +144,10 @@ def sleep_wake_cycles(
     cycles: int,
     graph_offload: bool = True,
     prompts: list[str] = PROMPTS,
+    generate: Generate | None = None,
 ) -> None:
     """Mixes level 1 + full wake, level 1 + staged wake, level 2 + reload."""
+    generate = generate or (lambda: greedy_tokens(llm, prompts))
     for cycle in range(cycles):
         kind = cycle % 3
         llm.sleep(level=1 if kind < 2 else 2)
@@ -146,7 +166,7 @@ def sleep_wake_cycles(
             llm.wake_up(tags=["weights"])
             llm.collective_rpc("reload_weights")
             llm.wake_up(tags=["kv_cache"])
-        assert_same_tokens(greedy_tokens(llm, prompts), reference, f"cycle {cycle} (kind {kind})")
+        assert_same_tokens(generate(), reference, f"cycle {cycle} (kind {kind})")
 
 
 def assert_same_tokens(got: list[list[int]], reference: list[list[int]], when: str) -> None:

@@ -7,10 +7,16 @@ vLLM can load with ``LLM(model=str(path))`` or ``vllm serve path``: ``config.jso
 built-in English corpus.
 
 The architectures are real ones (``LlamaForCausalLM``, ``DeepseekV2ForCausalLM`` with MLA
-and MoE, ``Qwen3MoeForCausalLM``) at small sizes, so vLLM runs its real model code, attention
-backends and MoE kernels on them. The weights are built with transformers' own model
-classes and written with ``save_pretrained``, so the tensor names are the checkpoint names
-that vLLM's loaders map (per-expert ``mlp.experts.{e}.gate_proj.weight`` etc.).
+and MoE, ``Qwen3MoeForCausalLM``, the vision-language ``Qwen2_5_VLForConditionalGeneration``)
+at small sizes, so vLLM runs its real model code, attention backends and MoE kernels on
+them. The weights are built with transformers' own model classes and written with
+``save_pretrained``, so the tensor names are the checkpoint names that vLLM's loaders map
+(per-expert ``mlp.experts.{e}.gate_proj.weight`` etc.).
+
+The vision-language kind also writes ``processor_config.json`` (transformers' Qwen2-VL image
+and video processors, limited to small images) and its tokenizer has Qwen's vision tokens,
+so ``AutoProcessor`` and vLLM's multimodal processing load it as they load a hub checkpoint.
+Its vision encoder is one vLLM 0.26 can capture in CUDA graphs (``cudagraph_mm_encoder``).
 
 The result is cached: a marker file, written last, records kind, seed and format version;
 a directory holding a matching marker and all the files it lists (at their recorded sizes)
@@ -38,7 +44,9 @@ from typing import Any
 
 FORMAT_VERSION = 1
 MARKER_NAME = ".vllm_graph_sleep_model.json"
-KINDS = ("llama", "deepseek_v2", "qwen3_moe")
+KINDS = ("llama", "deepseek_v2", "qwen3_moe", "qwen2_5_vl")
+#: Kinds with a vision encoder (and an image processor beside the tokenizer).
+VISION_KINDS = frozenset({"qwen2_5_vl"})
 
 #: Standard deviation of the random normal initialisation of all matrices.
 INIT_STD = 0.02
@@ -53,6 +61,26 @@ UNK_TOKEN = "<|unk|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 # Ids 0..6, in this order (the trainer assigns special tokens first).
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, *ROLE_TOKENS)
+
+# Qwen2.5-VL's vision tokens, with the names its processor and vLLM look up. Vision kinds
+# train with them after SPECIAL_TOKENS (ids 7..10), so their ids are known without the
+# tokenizer; the other kinds' tokenizers do not have them (and stay as they were).
+VISION_START_TOKEN = "<|vision_start|>"
+VISION_END_TOKEN = "<|vision_end|>"
+IMAGE_TOKEN = "<|image_pad|>"
+VIDEO_TOKEN = "<|video_pad|>"
+VISION_SPECIAL_TOKENS = (
+    *SPECIAL_TOKENS,
+    VISION_START_TOKEN,
+    VISION_END_TOKEN,
+    IMAGE_TOKEN,
+    VIDEO_TOKEN,
+)
+#: One image token per 28x28 pixels (14-pixel patches, merged 2x2). Images are resized to
+#: 4 to 64 tokens: prompts stay short, and the largest image (224x224) fills exactly the
+#: smallest encoder CUDA graph budget vLLM 0.26 infers for Qwen2.5-VL (64 tokens).
+IMAGE_MIN_PIXELS = 4 * 28 * 28
+IMAGE_MAX_PIXELS = 64 * 28 * 28
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -73,6 +101,7 @@ _KNOWN_FILES = frozenset(
         "tokenizer_config.json",
         "special_tokens_map.json",
         "chat_template.jinja",
+        "processor_config.json",
         MARKER_NAME,
     }
 )
@@ -217,7 +246,7 @@ def _corpus(num_sentences: int = 1200) -> list[str]:
 
 def _config(kind: str, vocab_size: int) -> Any:
     import torch
-    from transformers import DeepseekV2Config, LlamaConfig, Qwen3MoeConfig
+    from transformers import DeepseekV2Config, LlamaConfig, Qwen2_5_VLConfig, Qwen3MoeConfig
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -292,6 +321,46 @@ def _config(kind: str, vocab_size: int) -> Any:
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
             **common,
         )
+    elif kind == "qwen2_5_vl":
+        # Text head dim 128 and mrope_section [16, 24, 24] (sum 64, half the head dim) as
+        # in the released Qwen2.5-VL models; vision head dim 64 (256 / 4), which vLLM's
+        # vision attention backends accept. One of the two vision blocks uses full attention
+        # and the other windowed attention, as the real encoder mixes them.
+        cfg = Qwen2_5_VLConfig(
+            text_config=dict(
+                hidden_size=512,
+                intermediate_size=1024,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_parameters={
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": [16, 24, 24],
+                },
+                **common,
+            ),
+            vision_config=dict(
+                depth=2,
+                hidden_size=256,
+                intermediate_size=512,
+                num_heads=4,
+                hidden_act="silu",
+                patch_size=14,
+                temporal_patch_size=2,
+                spatial_merge_size=2,
+                window_size=112,
+                fullatt_block_indexes=[1],
+                tokens_per_second=2,
+                out_hidden_size=512,  # the text hidden size: image embeddings replace tokens
+                initializer_range=INIT_STD,
+            ),
+            image_token_id=VISION_SPECIAL_TOKENS.index(IMAGE_TOKEN),
+            video_token_id=VISION_SPECIAL_TOKENS.index(VIDEO_TOKEN),
+            vision_start_token_id=VISION_SPECIAL_TOKENS.index(VISION_START_TOKEN),
+            vision_end_token_id=VISION_SPECIAL_TOKENS.index(VISION_END_TOKEN),
+            tie_word_embeddings=False,
+        )
     else:
         raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
     cfg.dtype = torch.bfloat16
@@ -303,8 +372,11 @@ def _config(kind: str, vocab_size: int) -> Any:
 # --------------------------------------------------------------------------------------
 
 
-def _train_tokenizer() -> Any:
-    """Byte-level BPE trained on ``_corpus()``, wrapped as a transformers fast tokenizer."""
+def _train_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Any:
+    """Byte-level BPE trained on ``_corpus()``, wrapped as a transformers fast tokenizer.
+
+    ``special_tokens`` get the first ids, in order; it must start with ``SPECIAL_TOKENS``.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -314,7 +386,7 @@ def _train_tokenizer() -> Any:
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_TARGET,
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -342,11 +414,19 @@ def _init_weights(model: Any, seed: int) -> None:
     """Deterministic init: norms 1, other vectors 0, matrices N(0, INIT_STD)."""
     import torch
 
+    # Norms are found by their module's class, not by parameter name: Qwen2.5-VL's merger
+    # norm is "ln_q", and a zero scale there would zero every image embedding.
+    norm_weights = {
+        f"{module_name}.{name}" if module_name else name
+        for module_name, module in model.named_modules()
+        if "norm" in type(module).__name__.lower()
+        for name, _ in module.named_parameters(recurse=False)
+    }
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if param.ndim == 1:
-                param.fill_(1.0 if "norm" in name else 0.0)
+                param.fill_(1.0 if name in norm_weights else 0.0)
             else:
                 param.normal_(mean=0.0, std=INIT_STD, generator=gen)
 
@@ -360,14 +440,28 @@ def _update_json(path: Path, **items: Any) -> None:
         f.write("\n")
 
 
+def _save_processor(tokenizer: Any, out: Path) -> None:
+    """Qwen2.5-VL's processor around ``tokenizer``: transformers writes the tokenizer files
+    and processor_config.json (the image and video processors, sized for small images)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    sizes = dict(min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS)
+    Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**sizes),
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(**sizes),
+    ).save_pretrained(out)
+
+
 def _write_weights(kind: str, vocab_size: int, seed: int, out: Path) -> int:
     """Write config.json, generation_config.json and model.safetensors; return #params."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
 
     config = _config(kind, vocab_size)
+    auto_class = AutoModelForImageTextToText if kind in VISION_KINDS else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = auto_class.from_config(config, dtype=torch.bfloat16)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
     _init_weights(model, seed)
     # lm_head must be its own tensor (tie_word_embeddings=False), not a shared one.
@@ -380,18 +474,23 @@ def _write_weights(kind: str, vocab_size: int, seed: int, out: Path) -> int:
         # target); real Qwen3-MoE checkpoints say "num_experts". Write both, so readers of
         # either spelling (other transformers versions, raw-JSON readers) see 8, not 128.
         _update_json(out / "config.json", num_experts=config.num_experts)
+    text_config = config.get_text_config()  # the config itself, except for vision kinds
     GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=text_config.bos_token_id,
+        eos_token_id=text_config.eos_token_id,
+        pad_token_id=text_config.pad_token_id,
     ).save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
 
 
 def _build(kind: str, seed: int, out: Path) -> dict[str, Any]:
     t0 = time.monotonic()
-    tokenizer = _train_tokenizer()
-    tokenizer.save_pretrained(out)
+    if kind in VISION_KINDS:
+        tokenizer = _train_tokenizer(VISION_SPECIAL_TOKENS)
+        _save_processor(tokenizer, out)
+    else:
+        tokenizer = _train_tokenizer()
+        tokenizer.save_pretrained(out)
     vocab_size = -(-len(tokenizer) // 64) * 64
     num_params = _write_weights(kind, vocab_size, seed, out)
     files = {}
@@ -476,7 +575,8 @@ def make_model(kind: str, out_dir: str | Path, *, seed: int = 0, force: bool = F
     """Build (or reuse) a small random-weight model of ``kind`` in ``out_dir``.
 
     ``kind`` is one of ``KINDS``: ``"llama"`` (LlamaForCausalLM, dense), ``"deepseek_v2"``
-    (DeepseekV2ForCausalLM, MLA + MoE) or ``"qwen3_moe"`` (Qwen3MoeForCausalLM). The same
+    (DeepseekV2ForCausalLM, MLA + MoE), ``"qwen3_moe"`` (Qwen3MoeForCausalLM) or
+    ``"qwen2_5_vl"`` (Qwen2_5_VLForConditionalGeneration, vision-language). The same
     kind and seed give byte-identical weights (with the same torch version). Returns the
     absolute path of the model directory. If ``out_dir`` already holds a complete model of
     this kind, seed and format version it is returned untouched unless ``force``. An existing

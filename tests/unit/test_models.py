@@ -7,6 +7,10 @@ prefill backend, unquantized MoE backend), fills every parameter with NaN, loads
 checkpoint, and asserts that no NaN is left and vLLM's strict loaded-weights check passes.
 Run this file as a script (``python tests/unit/test_models.py MODEL_DIR...``) for that
 check alone.
+
+The vision-language kind is also run through transformers' processor and model, and
+through vLLM's multimodal processing (what the engine runs on each image prompt, and on the
+dummy image it profiles with).
 """
 
 from __future__ import annotations
@@ -21,9 +25,18 @@ from pathlib import Path
 import pytest
 
 from vllm_graph_sleep import models
-from vllm_graph_sleep.models import KINDS, MARKER_NAME, make_model
+from vllm_graph_sleep.models import (
+    IMAGE_TOKEN,
+    KINDS,
+    MARKER_NAME,
+    VIDEO_TOKEN,
+    VISION_END_TOKEN,
+    VISION_START_TOKEN,
+    make_model,
+)
 
 SENTENCE = "The quick brown fox jumps over the lazy dog at 12:34, said Zoë. 你好!"
+IMAGE_PROMPT = f"{VISION_START_TOKEN}{IMAGE_TOKEN}{VISION_END_TOKEN}Describe the picture."
 
 
 def _sha(path: Path) -> str:
@@ -36,6 +49,14 @@ def _safetensors_header(path: Path) -> dict:
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     return header
+
+
+def _image(seed: int, height: int, width: int):
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +82,19 @@ def test_config_and_tokenizer_load(built, kind):
     } <= names
     config = AutoConfig.from_pretrained(path)
     assert config.model_type == kind
-    assert config.vocab_size % 64 == 0
+    text = config.get_text_config()  # the config itself, except for the vision kind
+    assert text.vocab_size % 64 == 0
     assert not config.tie_word_embeddings
 
     tok = AutoTokenizer.from_pretrained(path)
-    assert len(tok) <= config.vocab_size
-    assert 1024 <= len(tok) <= 4096  # 2010 with tokenizers 0.23
+    assert len(tok) <= text.vocab_size
+    assert 1024 <= len(tok) <= 4096  # 2010 with tokenizers 0.23 (+4 vision tokens)
     ids = tok(SENTENCE)["input_ids"]
-    assert ids[0] == tok.bos_token_id == config.bos_token_id
+    assert ids[0] == tok.bos_token_id == text.bos_token_id
     assert max(ids) < len(tok)
     assert tok.decode(ids, skip_special_tokens=True) == SENTENCE
-    assert tok.eos_token_id == config.eos_token_id
-    assert tok.pad_token_id == config.pad_token_id
+    assert tok.eos_token_id == text.eos_token_id
+    assert tok.pad_token_id == text.pad_token_id
     assert tok.unk_token is not None
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
@@ -90,9 +112,25 @@ def test_vllm_config_loader_accepts(built, kind):
         "llama": "LlamaForCausalLM",
         "deepseek_v2": "DeepseekV2ForCausalLM",
         "qwen3_moe": "Qwen3MoeForCausalLM",
+        "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     }[kind]
     assert config.architectures == [arch]
     assert config.dtype == torch.bfloat16
+    if kind == "qwen2_5_vl":
+        text, vision = config.text_config, config.vision_config
+        # Head dims vLLM's kernels take: text 128 (mrope over half of it), vision 64.
+        assert text.hidden_size // text.num_attention_heads == 128
+        assert sum(text.rope_parameters["mrope_section"]) == 128 // 2
+        assert vision.hidden_size // vision.num_heads == 64
+        assert vision.out_hidden_size == text.hidden_size
+        assert (vision.depth, vision.patch_size, vision.spatial_merge_size) == (2, 14, 2)
+        assert vision.fullatt_block_indexes == [1]
+        tok = json.loads((built[kind] / "tokenizer.json").read_text())
+        ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+        assert config.image_token_id == ids[IMAGE_TOKEN]
+        assert config.video_token_id == ids[VIDEO_TOKEN]
+        assert config.vision_start_token_id == ids[VISION_START_TOKEN]
+        assert config.vision_end_token_id == ids[VISION_END_TOKEN]
     if kind == "deepseek_v2":
         # DeepSeek-V2-Lite's MLA dims (vLLM on the H200 has no MLA prefill for smaller ones).
         assert (config.kv_lora_rank, config.qk_nope_head_dim) == (512, 128)
@@ -110,12 +148,13 @@ def test_checkpoint_names_and_dtype(built, kind):
     header = _safetensors_header(path / "model.safetensors")
     assert {v["dtype"] for v in header.values()} == {"BF16"}
     config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
     assert "lm_head.weight" in header
     assert header["model.embed_tokens.weight"]["shape"] == [
-        config["vocab_size"],
-        config["hidden_size"],
+        text["vocab_size"],
+        text["hidden_size"],
     ]
-    layers = config["num_hidden_layers"]
+    layers = text["num_hidden_layers"]
     assert {int(k.split(".")[2]) for k in header if k.startswith("model.layers.")} == set(
         range(layers)
     )
@@ -146,11 +185,116 @@ def test_checkpoint_names_and_dtype(built, kind):
             assert header[m + "mlp.gate.weight"]["shape"] == [8, 1024]
             for e in range(8):
                 assert header[m + f"mlp.experts.{e}.gate_proj.weight"]["shape"] == [256, 1024]
+    elif kind == "qwen2_5_vl":
+        # The hub checkpoint's names (vLLM's Qwen2.5-VL mapper expects these).
+        assert header["model.layers.0.self_attn.k_proj.weight"]["shape"] == [2 * 128, 512]
+        assert header["model.layers.0.self_attn.k_proj.bias"]["shape"] == [2 * 128]
+        assert {int(k.split(".")[2]) for k in header if k.startswith("visual.blocks.")} == {0, 1}
+        assert header["visual.patch_embed.proj.weight"]["shape"] == [256, 3, 2, 14, 14]
+        assert header["visual.blocks.0.attn.qkv.weight"]["shape"] == [3 * 256, 256]
+        assert header["visual.merger.mlp.0.weight"]["shape"] == [4 * 256, 4 * 256]
+        assert header["visual.merger.mlp.2.weight"]["shape"] == [512, 4 * 256]
+        assert not any(k.startswith("model.visual.") for k in header)
     else:
         assert header["model.layers.0.self_attn.k_proj.weight"]["shape"] == [8 * 64, 1024]
         assert header["model.layers.0.mlp.gate_proj.weight"]["shape"] == [2816, 1024]
         assert not any(".experts." in k for k in header)
     assert (path / "model.safetensors").stat().st_size < 300 * 2**20
+
+
+def test_vision_kind_processor(built):
+    """transformers' AutoProcessor loads the directory and expands the image placeholder."""
+    import torch
+    from transformers import AutoConfig, AutoProcessor
+
+    path = built["qwen2_5_vl"]
+    assert "processor_config.json" in {p.name for p in path.iterdir()}
+    config = AutoConfig.from_pretrained(path)
+    processor = AutoProcessor.from_pretrained(path)
+    assert type(processor).__name__ == "Qwen2_5_VLProcessor"
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
+    assert processor.image_token_id == config.image_token_id
+    assert processor.video_token_id == config.video_token_id
+    size = processor.image_processor.size
+    assert (size.shortest_edge, size.longest_edge) == (4 * 28 * 28, 64 * 28 * 28)
+
+    # 84x112 pixels: 6x8 patches of 14, merged 2x2 into 3x4 = 12 image tokens.
+    out = processor(text=[IMAGE_PROMPT], images=[_image(0, 84, 112)], return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 6, 8]]
+    assert list(out["pixel_values"].shape) == [6 * 8, 3 * 2 * 14 * 14]
+    ids = out["input_ids"][0].tolist()
+    assert ids[:2] == [config.text_config.bos_token_id, config.vision_start_token_id]
+    assert ids[2:14] == [config.image_token_id] * 12
+    assert ids[14] == config.vision_end_token_id
+    tokenizer = processor.tokenizer
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "Describe the picture."
+
+    # Larger images are scaled down to at most 8x8 image tokens (224x224 pixels).
+    out = processor(text=[IMAGE_PROMPT], images=[_image(0, 480, 640)], return_tensors="pt")
+    assert int(out["image_grid_thw"].prod()) // 4 <= 64
+    assert out["input_ids"][0].tolist().count(config.image_token_id) <= 64
+    assert not torch.isnan(out["pixel_values"]).any()
+
+
+def test_vision_kind_images_decide_the_logits(built):
+    """Image embeddings are not zero and depend on the image, so the tokens an engine
+    generates for an image prompt depend on its vision encoder (and its graphs)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = built["qwen2_5_vl"]
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    logits = []
+    for seed in (1, 2):
+        inputs = processor(text=[IMAGE_PROMPT], images=[_image(seed, 84, 112)], return_tensors="pt")
+        with torch.no_grad():
+            features = model.model.get_image_features(
+                inputs["pixel_values"], inputs["image_grid_thw"]
+            ).pooler_output
+            assert all(f.abs().max() > 0.01 for f in features)
+            logits.append(model(**inputs).logits[0, -1])
+    assert (logits[0] - logits[1]).abs().max() > 0.1
+
+
+def test_vllm_processes_image_prompts(built):
+    """vLLM's model config and multimodal processor for the vision kind, on the CPU: what
+    the engine runs on an image prompt and on the dummy image it profiles with."""
+    from tests.unit.force_cpu_platform import force_cpu_platform
+
+    force_cpu_platform()
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from vllm.multimodal.processing.context import TimingContext
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    model_config = ModelConfig(
+        model=str(built["qwen2_5_vl"]),
+        max_model_len=512,
+        limit_mm_per_prompt={"image": 1, "video": 0},
+    )
+    assert model_config.architectures == ["Qwen2_5_VLForConditionalGeneration"]
+    assert model_config.is_multimodal_model and model_config.uses_mrope
+    assert model_config.get_head_size() == 128
+    config = model_config.hf_config
+
+    processor = MULTIMODAL_REGISTRY.create_processor(model_config)
+    # The largest image fills the smallest encoder CUDA graph budget vLLM 0.26 captures
+    # for Qwen2.5-VL (64 tokens).
+    assert processor.info.get_max_image_tokens() == 64
+    items = processor.info.parse_mm_data({"image": _image(0, 112, 112)})
+    result = processor.apply(ProcessorInputs(IMAGE_PROMPT, items), TimingContext())
+    ids = result["prompt_token_ids"]
+    (placeholder,) = result["mm_placeholders"]["image"]
+    assert (placeholder.offset, placeholder.length) == (2, 16)  # after BOS, vision start
+    assert ids[2:18] == [config.image_token_id] * 16
+    assert ids[1] == config.vision_start_token_id and ids[18] == config.vision_end_token_id
+    (item,) = result["mm_kwargs"]["image"]
+    assert item["image_grid_thw"].data.tolist() == [1, 8, 8]
+    assert list(item["pixel_values"].data.shape) == [64, 3 * 2 * 14 * 14]
+
+    dummy = MULTIMODAL_REGISTRY.get_dummy_mm_inputs(model_config, {"image": 1}, processor=processor)
+    assert dummy["prompt_token_ids"].count(config.image_token_id) == 64
 
 
 def test_vllm_loads_every_weight(built):
@@ -298,6 +442,7 @@ def _vllm_load_check(paths: list[str]) -> None:
     )
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.models.interfaces import supports_encoder_cudagraph
 
     class NoPrefill:  # the MLA prefill backend is chosen by GPU capability
         def __init__(self, *args, **kwargs):
@@ -344,6 +489,12 @@ def _vllm_load_check(paths: list[str]) -> None:
         if arch == "DeepseekV2ForCausalLM":
             assert vllm_config.model_config.use_mla
             assert vllm_config.model_config.get_head_size() == 512 + 64
+        if arch == "Qwen2_5_VLForConditionalGeneration":
+            # vLLM's class for this checkpoint captures its vision encoder in CUDA graphs
+            # (cudagraph_mm_encoder), images included.
+            with set_current_vllm_config(vllm_config):
+                assert supports_encoder_cudagraph(model)
+                assert "image" in model.get_encoder_cudagraph_config().modalities
         print("OK", arch, len(loaded), "weights", flush=True)
         del model, weights
 
