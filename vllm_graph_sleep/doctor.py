@@ -220,6 +220,21 @@ def graphs_state(engine_args: Any) -> tuple[bool, str, str]:
     return True, f"cudagraph_mode {mode}" if mode else "vLLM's default cudagraph_mode", ""
 
 
+def full_mode_warning(engine_args: Any, environ: MutableMapping[str, str]) -> str | None:
+    """vLLM 0.26's model runner V2 captures every FULL graph with one token per
+    request but replays it for prefills that fit a capture size: wrong tokens,
+    with or without graph offload (docs/results/engine-h200.md, third run)."""
+    mode = _mode_name(getattr(engine_args.compilation_config, "cudagraph_mode", None))
+    if mode != "FULL" or environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        return None
+    return (
+        "cudagraph_mode FULL: vLLM 0.26's model runner V2 (its default for dense models) "
+        "replays FULL graphs captured for one token per request on short prefills, which "
+        "gives wrong tokens (stock vLLM too, with or without sleep); use FULL_AND_PIECEWISE "
+        "(the default) or PIECEWISE"
+    )
+
+
 def gate_config(engine_args: Any, graphs_on: bool) -> SimpleNamespace:
     """The parts of a VllmConfig that config.evaluate_gate reads."""
     return SimpleNamespace(
@@ -441,6 +456,9 @@ def diagnose(
         "sleep mode", "on" if engine_args.enable_sleep_mode else "off (no --enable-sleep-mode)"
     )
     diag.add("CUDA graphs", f"{'on' if graphs_on else 'off'}: {graphs_why}")
+    full_mode = full_mode_warning(engine_args, environ)
+    if full_mode:
+        diag.warnings.append(full_mode)
     if gate.active:
         diag.add(
             "graph offload",

@@ -500,6 +500,7 @@ def _clean_doctor_env(monkeypatch):
         "VLLM_FLASHINFER_ALLREDUCE_BACKEND",
         "VLLM_ROCM_USE_AITER",
         "VLLM_PLUGINS",
+        "VLLM_USE_V2_MODEL_RUNNER",
     ):
         monkeypatch.delenv(name, raising=False)
 
@@ -623,6 +624,24 @@ def test_doctor_warns_about_flashinfer_multicast_where_it_is_off(
     assert code == 0
     warning = "set VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm"
     assert (warning in out) == warned, out
+
+
+@pytest.mark.parametrize(
+    ("mode", "v2_env", "warned"),
+    [
+        ("FULL", None, True),
+        ("FULL", "1", True),
+        ("FULL", "0", False),
+        ("FULL_AND_PIECEWISE", None, False),
+        ("PIECEWISE", None, False),
+    ],
+)
+def test_doctor_warns_about_full_mode_on_model_runner_v2(capsys, monkeypatch, mode, v2_env, warned):
+    if v2_env is not None:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", v2_env)
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, "-cc.cudagraph_mode", mode)
+    assert code == 0
+    assert ("replays FULL graphs captured for one token per request" in out) == warned, out
 
 
 @pytest.mark.parametrize(
