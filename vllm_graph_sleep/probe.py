@@ -29,7 +29,9 @@ def memory_report(worker: Any) -> dict[str, Any]:
         "custom_all_reduce": custom_all_reduce_mode(),
         "custom_all_reduce_captures": custom_all_reduce_captures(),
         "cudagraphs_captured": cudagraphs_captured(),
-        "foreign_pool_bytes": foreign_pool_bytes(torch.cuda.memory_snapshot(), our_pool_ids()),
+        "foreign_pool_bytes": foreign_pool_bytes(
+            torch.cuda.memory_snapshot(), sleep_allocator_addresses()
+        ),
     }
     if GraphSleepAllocator._instance is not None:
         allocator = GraphSleepAllocator._instance
@@ -54,15 +56,30 @@ def our_pool_ids() -> set[tuple[int, int]]:
     return set() if allocator is None else allocator.pool_ids()
 
 
-def foreign_pool_bytes(segments: list[dict[str, Any]], ours: set[tuple[int, int]]) -> int:
-    """Bytes of torch's private pools that are not ours (`segments` as
-    torch.cuda.memory_snapshot() lists them). Graphs captured anywhere but our
-    graph pool keep their memory in such a pool, so a capture site that escaped
-    the pool shows up here; (0, 0) is torch's ordinary allocator."""
+def sleep_allocator_addresses() -> set[int]:
+    """Addresses of every allocation of the sleep-mode allocators in this
+    worker: ours and, for stock sleep mode, vLLM's CuMemAllocator. Both hand
+    torch whole segments, so these are segment addresses."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    addresses = set()
+    if GraphSleepAllocator._instance is not None:
+        addresses |= GraphSleepAllocator._instance.allocations.keys()
+    if CuMemAllocator.instance is not None:
+        addresses |= CuMemAllocator.instance.pointer_to_data.keys()
+    return addresses
+
+
+def foreign_pool_bytes(segments: list[dict[str, Any]], sleep_addresses: set[int]) -> int:
+    """Bytes of private-pool segments (`segments` as torch.cuda.memory_snapshot()
+    lists them; pool (0, 0) is torch's ordinary allocator) that no sleep-mode
+    allocator made, so no sleep releases them: graph pools. With graph offload,
+    a capture site that escaped our graph pool shows up here; in stock vLLM,
+    all its graphs."""
     return sum(
         segment["total_size"]
         for segment in segments
-        if tuple(segment["segment_pool_id"]) not in ours | {(0, 0)}
+        if tuple(segment["segment_pool_id"]) != (0, 0) and segment["address"] not in sleep_addresses
     )
 
 

@@ -316,16 +316,21 @@ def test_probe_reports_the_custom_all_reduce_mode(
     assert custom_all_reduce_mode() == expected
 
 
-def test_probe_counts_private_pools_that_are_not_ours():
+def test_probe_counts_private_pool_segments_no_sleep_allocator_made():
     from vllm_graph_sleep.probe import foreign_pool_bytes
 
     segments = [
-        {"segment_pool_id": (0, 0), "total_size": 1 << 20},  # torch's ordinary allocator
-        {"segment_pool_id": (3, 0), "total_size": 2 << 20},  # our graph pool
-        {"segment_pool_id": (4, 0), "total_size": 4 << 20},  # our kv_cache pool
-        {"segment_pool_id": (0, 7), "total_size": 8 << 20},  # a graph's own private pool
-        {"segment_pool_id": (0, 7), "total_size": 16 << 20},
+        # torch's ordinary allocator, whoever made it
+        {"segment_pool_id": (0, 0), "address": 0x1000, "total_size": 1 << 20},
+        # a sleep-mode allocator's pools (graph pool, kv_cache pool)
+        {"segment_pool_id": (3, 0), "address": 0x2000, "total_size": 2 << 20},
+        {"segment_pool_id": (4, 0), "address": 0x3000, "total_size": 4 << 20},
+        # a graph's own private pool, made by cudaMalloc
+        {"segment_pool_id": (0, 7), "address": 0x4000, "total_size": 8 << 20},
+        {"segment_pool_id": (0, 7), "address": 0x5000, "total_size": 16 << 20},
     ]
-    assert foreign_pool_bytes(segments, {(3, 0), (4, 0)}) == 24 << 20
+    ours = {0x2000, 0x3000}
+    assert foreign_pool_bytes(segments, ours) == 24 << 20
+    assert foreign_pool_bytes(segments, ours | {0x1000}) == 24 << 20
     assert foreign_pool_bytes(segments, set()) == 30 << 20
-    assert foreign_pool_bytes(segments[:3], {(3, 0), (4, 0)}) == 0
+    assert foreign_pool_bytes(segments[:3], ours) == 0

@@ -402,10 +402,10 @@ def test_nested_pool_gets_its_own_segments_and_routing_returns():
 
 @fresh_process
 def test_probe_sees_a_graph_captured_outside_our_pool_and_not_one_inside():
-    from vllm_graph_sleep.probe import foreign_pool_bytes, our_pool_ids
+    from vllm_graph_sleep.probe import foreign_pool_bytes
 
     def foreign() -> int:
-        return foreign_pool_bytes(torch.cuda.memory_snapshot(), our_pool_ids())
+        return foreign_pool_bytes(torch.cuda.memory_snapshot(), set(manager().allocations))
 
     alloc = manager()
     static = torch.zeros(MIB, device="cuda")
