@@ -29,26 +29,12 @@ CONFIGS = {
 }
 
 
-def nvml_used() -> int:
-    import pynvml
+def settle_used(memory) -> int:
+    """NVML used memory of the engine's GPU once it stops moving (frees can land
+    a moment later)."""
+    from vllm_graph_sleep.bench.gpu import settle
 
-    pynvml.nvmlInit()
-    try:
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def settle_used() -> int:
-    """NVML used memory once it stops moving (frees can land a moment later)."""
-    last = nvml_used()
-    for _ in range(20):
-        time.sleep(0.1)
-        now = nvml_used()
-        if now == last:
-            return now
-        last = now
-    return last
+    return settle(memory, attempts=20)[0]
 
 
 def run_one(name: str, model: str, utilization: float) -> dict:
@@ -57,6 +43,7 @@ def run_one(name: str, model: str, utilization: float) -> dict:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM, SamplingParams
 
+    from vllm_graph_sleep.bench.gpu import NvmlMemory
     from vllm_graph_sleep.probe import memory_report
 
     settings = CONFIGS[name]
@@ -72,18 +59,19 @@ def run_one(name: str, model: str, utilization: float) -> dict:
         kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
     if settings["offload"]:
         kwargs["additional_config"] = {"sleep_mode_offload_cudagraph": True}
+    memory = NvmlMemory(1)  # the GPU the engine runs on (CUDA_VISIBLE_DEVICES honoured)
     started = time.perf_counter()
     llm = LLM(**kwargs)
     result: dict = {"config": name, "start_s": time.perf_counter() - started}
     params = SamplingParams(temperature=0.0, max_tokens=32)
     reference = [o.outputs[0].token_ids for o in llm.generate(["Hello, my name is"], params)]
-    result["awake_used_bytes"] = settle_used()
+    result["awake_used_bytes"] = settle_used(memory)
     result["awake_report"] = llm.collective_rpc(memory_report)[0]
     for level in (1, 2):
         begin = time.perf_counter()
         llm.sleep(level=level)
         result[f"level{level}_sleep_s"] = time.perf_counter() - begin
-        result[f"level{level}_asleep_used_bytes"] = settle_used()
+        result[f"level{level}_asleep_used_bytes"] = settle_used(memory)
         result[f"level{level}_asleep_report"] = llm.collective_rpc(memory_report)[0]
         begin = time.perf_counter()
         if level == 2:

@@ -171,12 +171,11 @@ def sleep_wake_cycles(
 
 def assert_same_tokens(got: list[list[int]], reference: list[list[int]], when: str) -> None:
     """Names the first prompt and position that differ, with both continuations."""
+    from vllm_graph_sleep.bench.scenario import first_difference
+
     for prompt, (new, old) in enumerate(zip(got, reference, strict=True)):
         if new != old:
-            at = next(
-                (i for i, (a, b) in enumerate(zip(new, old, strict=False)) if a != b),
-                min(len(new), len(old)),
-            )
+            at = first_difference(new, old)
             raise AssertionError(
                 f"{when}: prompt {prompt} differs from token {at} on: "
                 f"got {new[at : at + 8]}, reference {old[at : at + 8]}"

@@ -84,10 +84,10 @@ def host_info(memory: MemorySource) -> dict[str, Any]:
         "torch": _version("torch"),
         "vllm_graph_sleep": _version("vllm-graph-sleep"),
     }
-    for extra in ("driver_version", "total"):
-        getter = getattr(memory, extra, None)
-        if callable(getter):
-            info[extra if extra != "total" else "gpu_total_bytes"] = getter()
+    # NVML has these; the CPU tests' stand-in memory source does not.
+    for method, key in (("driver_version", "driver_version"), ("total", "gpu_total_bytes")):
+        if callable(getattr(memory, method, None)):
+            info[key] = getattr(memory, method)()
     return info
 
 
@@ -153,13 +153,18 @@ def run(
 
 def write_outputs(results: dict[str, Any], out: Path) -> tuple[str, Path, Path]:
     """results.json, memory.png and table.txt in `out`; returns (table, json, png)."""
+    write_json(results, out / RESULTS_JSON)
+    table, png = _table_and_plot(results, out / TABLE_TXT, out / PLOT_PNG)
+    return table, out / RESULTS_JSON, png
+
+
+def _table_and_plot(results: dict[str, Any], table_path: Path, png_path: Path) -> tuple[str, Path]:
     from vllm_graph_sleep.bench.plot import write_plot
 
     table = format_table(results)
-    write_json(results, out / RESULTS_JSON)
-    png = write_plot(results, out / PLOT_PNG)
-    (out / TABLE_TXT).write_text(table + "\n")
-    return table, out / RESULTS_JSON, png
+    png = write_plot(results, png_path)
+    table_path.write_text(table + "\n")
+    return table, png
 
 
 def merge(parts: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
@@ -185,7 +190,6 @@ def rerender(json_paths: list[Path], out: Path | None = None) -> tuple[str, Path
     """Table and plot of recorded results. One file: <stem>.png and
     <stem>.table.txt next to it (or in `out`), the JSON left as it is. Several
     files: merged into merged.json, merged.png, merged.table.txt."""
-    from vllm_graph_sleep.bench.plot import write_plot
     from vllm_graph_sleep.bench.report import read_json
 
     parts = [read_json(path) for path in json_paths]
@@ -195,7 +199,4 @@ def rerender(json_paths: list[Path], out: Path | None = None) -> tuple[str, Path
     else:
         results, stem = merge(parts, [str(p) for p in json_paths]), "merged"
         write_json(results, out / f"{stem}.json")
-    table = format_table(results)
-    png = write_plot(results, out / f"{stem}.png")
-    (out / f"{stem}.table.txt").write_text(table + "\n")
-    return table, png
+    return _table_and_plot(results, out / f"{stem}.table.txt", out / f"{stem}.png")

@@ -46,16 +46,22 @@ def measure_decode(client: Client, settings: BenchSettings) -> dict[str, Any]:
     }
 
 
+def first_difference(want: list[int], got: list[int]) -> int:
+    """Index of the first token where two continuations differ (the shorter
+    one's length when one is a prefix of the other)."""
+    return next(
+        (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
+        min(len(want), len(got)),
+    )
+
+
 def _compare(reference: Completion, now: Completion) -> dict[str, Any]:
     exact = now.token_ids == reference.token_ids
     result: dict[str, Any] = {"bit_exact": exact}
     if not exact:
         for index, (want, got) in enumerate(zip(reference.token_ids, now.token_ids, strict=False)):
             if want != got:
-                first = next(
-                    (i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b),
-                    min(len(want), len(got)),
-                )
+                first = first_difference(want, got)
                 result["mismatch"] = {"prompt": index, "first_token": first, "got": got[:64]}
                 break
     return result

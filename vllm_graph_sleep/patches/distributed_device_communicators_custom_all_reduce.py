@@ -60,9 +60,8 @@ def _wrap_custom_all_reduce(original):
     def custom_all_reduce(self, input: torch.Tensor) -> torch.Tensor | None:
         # Only a real capture differs from stock; the warm-up pass (capturing
         # flag set, stream not capturing) and eager calls go to the original.
-        if not (config.is_active() and self._IS_CAPTURING):
-            return original(self, input)
-        if not torch.cuda.is_current_stream_capturing():
+        capturing = self._IS_CAPTURING and torch.cuda.is_current_stream_capturing()
+        if not (config.is_active() and capturing):
             return original(self, input)
         if self.disabled or not self.should_custom_ar(input):
             return None

@@ -46,6 +46,10 @@ SLEEP_MODES = ("abort", "keep", "wait")
 WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
 
 
+def _listed(values: tuple) -> str:
+    return ", ".join(map(repr, values))
+
+
 def _sleep_error(params: QueryParams) -> str | None:
     # Same reads and defaults as vLLM's handler, so both judge the same values.
     level = params.get("level", "1")
@@ -54,13 +58,12 @@ def _sleep_error(params: QueryParams) -> str | None:
     except ValueError:
         valid_level = False
     if not valid_level:
-        return f"invalid sleep level {level!r}: allowed levels are 0, 1, 2 (default 1)"
+        allowed = _listed(SLEEP_LEVELS)
+        return f"invalid sleep level {level!r}: allowed levels are {allowed} (default 1)"
     mode = params.get("mode", "abort")
     if mode not in SLEEP_MODES:
-        return (
-            f"invalid sleep mode {mode!r}: allowed modes are 'abort', 'keep', 'wait' "
-            "(default 'abort')"
-        )
+        allowed = _listed(SLEEP_MODES)
+        return f"invalid sleep mode {mode!r}: allowed modes are {allowed} (default 'abort')"
     return None
 
 
@@ -68,8 +71,8 @@ def _wake_up_error(params: QueryParams) -> str | None:
     for tag in params.getlist("tags"):
         if tag not in WAKE_UP_TAGS:
             return (
-                f"invalid wake_up tag {tag!r}: allowed tags are 'weights', 'kv_cache', "
-                "'scheduling' (repeat tags=...; no tags wakes everything)"
+                f"invalid wake_up tag {tag!r}: allowed tags are {_listed(WAKE_UP_TAGS)} "
+                "(repeat tags=...; no tags wakes everything)"
             )
     return None
 
