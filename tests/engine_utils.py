@@ -31,6 +31,7 @@ MODES = {
     "full": {"cudagraph_mode": "FULL"},
     "piecewise": {"cudagraph_mode": "PIECEWISE"},
     "full_and_piecewise": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+    "full_decode_only": {"cudagraph_mode": "FULL_DECODE_ONLY"},
     "breakable": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
 }
 

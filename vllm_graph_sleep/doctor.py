@@ -220,18 +220,19 @@ def graphs_state(engine_args: Any) -> tuple[bool, str, str]:
     return True, f"cudagraph_mode {mode}" if mode else "vLLM's default cudagraph_mode", ""
 
 
-def full_mode_warning(engine_args: Any, environ: MutableMapping[str, str]) -> str | None:
-    """vLLM 0.26's model runner V2 captures every FULL graph with one token per
-    request but replays it for prefills that fit a capture size: wrong tokens,
-    with or without graph offload (docs/results/engine-h200.md, third run)."""
+def full_mode_warning(engine_args: Any) -> str | None:
+    """cudagraph_mode FULL gave wrong tokens on both of vLLM 0.26's model runners, stock
+    vLLM included, with or without sleep (docs/results/engine-h200.md, third and fourth
+    runs): V2 replays FULL graphs captured with one token per request on short prefills;
+    V1 decoded a Qwen3-MoE-shaped model wrongly where FULL_DECODE_ONLY decoded it right."""
     mode = _mode_name(getattr(engine_args.compilation_config, "cudagraph_mode", None))
-    if mode != "FULL" or environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+    if mode != "FULL":
         return None
     return (
-        "cudagraph_mode FULL: vLLM 0.26's model runner V2 (its default for dense models) "
-        "replays FULL graphs captured for one token per request on short prefills, which "
-        "gives wrong tokens (stock vLLM too, with or without sleep); use FULL_AND_PIECEWISE "
-        "(the default) or PIECEWISE"
+        "cudagraph_mode FULL gives wrong tokens in vLLM 0.26, stock vLLM too, with or without "
+        "sleep: model runner V2 replays FULL graphs captured for one token per request on "
+        "short prefills, and model runner V1 decoded a MoE model wrongly; use "
+        "FULL_AND_PIECEWISE (the default), PIECEWISE or FULL_DECODE_ONLY"
     )
 
 
@@ -456,7 +457,7 @@ def diagnose(
         "sleep mode", "on" if engine_args.enable_sleep_mode else "off (no --enable-sleep-mode)"
     )
     diag.add("CUDA graphs", f"{'on' if graphs_on else 'off'}: {graphs_why}")
-    full_mode = full_mode_warning(engine_args, environ)
+    full_mode = full_mode_warning(engine_args)
     if full_mode:
         diag.warnings.append(full_mode)
     if gate.active:

@@ -24,6 +24,9 @@ from tests.utils import fresh_process, requires_gpu
 
 pytestmark = requires_gpu
 
+#: Model kinds vLLM 0.26 runs on model runner V1 (the rest run V2).
+V1_KINDS = {"qwen3_moe"}
+
 
 @pytest.mark.parametrize(
     "kind,mode",
@@ -37,7 +40,9 @@ pytestmark = requires_gpu
         ("deepseek_v2", "piecewise"),
         ("deepseek_v2", "breakable"),
         ("qwen3_moe", "full_and_piecewise"),  # model runner V1
-        ("qwen3_moe", "full"),
+        # vLLM 0.26's V1 runner decodes this model wrongly in FULL mode, stock
+        # included (docs/results/engine-h200.md); its FULL graphs run decode-only.
+        ("qwen3_moe", "full_decode_only"),
         ("qwen3_moe", "piecewise"),
     ],
 )
@@ -51,8 +56,11 @@ def test_graphs_live_in_the_pool_and_tokens_survive_cycles(kind, mode):
     # No graph kept its memory in a private pool other than ours.
     assert awake["foreign_pool_bytes"] == 0, awake["foreign_pool_bytes"]
     # KV-init state (attention metadata, block tables, graph inputs) is kept
-    # across sleep; only the KV tensors are dropped.
-    assert 0 < mapped(awake)["runtime"] < mapped(awake)["kv_cache"]
+    # across sleep; only the KV tensors are dropped. Model runner V1 in PIECEWISE
+    # builds none: only FULL graphs need persistent attention-metadata buffers.
+    runtime = mapped(awake).get("runtime", 0)
+    assert runtime < mapped(awake)["kv_cache"]
+    assert runtime > 0 or (kind in V1_KINDS and mode == "piecewise")
     prompts = prompts_for(mode)
     reference = greedy_tokens(llm, prompts)
     repeat_without_sleep(llm, reference, CYCLES, prompts)
