@@ -16,6 +16,7 @@ wrongly in FULL mode (docs/results/engine-h200.md, fourth run).
 
 Prints one line `RESULT {json}`: for each repeat the index of the first prompt whose
 tokens differ from the reference (null when all are identical), and the reference.
+Exit status: 0 when it ran, 2 when there is nothing to run on (no GPU).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's tests package
 
@@ -43,13 +46,16 @@ VARIANTS = {
 }
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", default="qwen3_moe")
     parser.add_argument("--mode", choices=sorted(MODES), default="full")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="default")
     parser.add_argument("--repeats", type=int, default=CYCLES)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("mode_repeats: no CUDA or ROCm GPU visible; nothing to run", file=sys.stderr)
+        return 2
 
     llm = start_engine(args.kind, args.mode, offload=False, **VARIANTS[args.variant])
     prompts = FULL_MODE_PROMPTS
@@ -60,7 +66,8 @@ def main() -> None:
         differing.append(None if tokens == reference else first_difference(tokens, reference))
     result = {"kind": args.kind, "mode": args.mode, "variant": args.variant}
     print("RESULT", json.dumps({**result, "first_differing_prompt": differing, "ref": reference}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
