@@ -9,6 +9,11 @@ NVML's used memory for the GPU (what another process can no longer use) plus
 the worker's own report (allocator tags, torch's reserved memory).
 
     python benchmarks/sleep_memory.py --model-kind llama --out docs/results/sleep-memory-h200.json
+
+`--capture-sizes 1 2 4 8` gives every configuration the same, shorter list of graph
+batch sizes (vLLM's default captures ~51 sizes): the residue that graphs keep outside
+any pool grows with the number of graphs captured (benchmarks/graph_residue.py), and
+this measures how much of it a user can trade away.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def settle_used(memory) -> int:
     return settle(memory, attempts=20)[0]
 
 
-def run_one(name: str, model: str, utilization: float) -> dict:
+def run_one(name: str, model: str, utilization: float, capture_sizes: list[int] | None) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -55,8 +60,13 @@ def run_one(name: str, model: str, utilization: float) -> dict:
         seed=0,
         enforce_eager=settings["enforce_eager"],
     )
+    compilation: dict = {}
     if not settings.get("graphs", True):
-        kwargs["compilation_config"] = {"cudagraph_mode": "NONE"}
+        compilation["cudagraph_mode"] = "NONE"
+    if capture_sizes:
+        compilation["cudagraph_capture_sizes"] = capture_sizes
+    if compilation:
+        kwargs["compilation_config"] = compilation
     if settings["offload"]:
         kwargs["additional_config"] = {"sleep_mode_offload_cudagraph": True}
     memory = NvmlMemory(1)  # the GPU the engine runs on (CUDA_VISIBLE_DEVICES honoured)
@@ -92,13 +102,16 @@ def main() -> int:
     parser.add_argument("--model", help="a local model directory (default: make --model-kind)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument(
+        "--capture-sizes", type=int, nargs="+", help="cudagraph_capture_sizes for every config"
+    )
     parser.add_argument("--out", default="docs/results/sleep-memory.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--one-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.one:
-        result = run_one(args.one, args.model, args.gpu_memory_utilization)
+        result = run_one(args.one, args.model, args.gpu_memory_utilization, args.capture_sizes)
         Path(args.one_out).write_text(json.dumps(result))
         return 0
 
@@ -114,6 +127,8 @@ def main() -> int:
         command = [sys.executable, __file__, "--one", name, "--model", model]
         command += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         command += ["--one-out", str(one_out)]
+        if args.capture_sizes:
+            command += ["--capture-sizes", *map(str, args.capture_sizes)]
         print(f"running {name} ...", flush=True)
         subprocess.run(command, check=True)
         results.append(json.loads(one_out.read_text()))
