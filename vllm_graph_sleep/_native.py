@@ -9,6 +9,7 @@ replace it with a faithful fake (tests/unit/fake_vmm.py).
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -85,6 +86,13 @@ class VmmDriver:
         device = torch.cuda.current_device()
         torch._C._cuda_endAllocateToPool(device, pool.id)
         torch._C._cuda_releasePool(device, pool.id)
+
+    def release_cached_memory(self) -> None:
+        """Has torch hand back the free segments of every pool nobody holds any
+        more (a dropped MemPool, once no graph uses it) and of its default pool."""
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def device_bytes(self, device: int, address: int, size: int) -> torch.Tensor:
         return torch.as_tensor(_DeviceRange(address, size), device=torch.device("cuda", device))

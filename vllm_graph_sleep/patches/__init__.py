@@ -21,6 +21,7 @@ PATCH_MODULES = (
     "v1_worker_gpu_attn_utils",
     "v1_worker_gpu_model_runner",
     "v1_worker_encoder_cudagraph",
+    "v1_spec_decode_gemma4",
 )
 
 
