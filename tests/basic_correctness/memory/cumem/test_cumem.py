@@ -498,9 +498,10 @@ def test_a_failed_my_malloc_logs_the_drivers_reason_once_per_call(capfd):
 
 @cuda_only  # asks the CUDA driver directly; on the rocm-on-cuda build this is the ROCm path
 @fresh_process
-def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back():
+def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back(capfd):
     """While asleep the range is held (on ROCm by an empty placeholder
-    reservation), so no other mapping can take it before wake."""
+    reservation), so no other mapping can take it before wake; freeing a
+    sleeping allocation gives the whole range back."""
     alloc = manager()
     library = allocator_library(alloc)
     # Control: on this driver a free range goes to whoever asks for it.
@@ -526,6 +527,14 @@ def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back():
     alloc.wake_up()
     assert weights.data_ptr() == pointer
     assert torch.equal(weights, expected)
+
+    asleep = library.my_malloc(8 * MIB, 0, None)
+    alloc.sleep(offload_tags=())
+    capfd.readouterr()
+    library.my_free(asleep, 8 * MIB, 0, None)
+    assert "[vllm_graph_sleep]" not in capfd.readouterr().err
+    assert asleep not in alloc.allocations
+    assert reserve_elsewhere(asleep, 8 * MIB) == asleep
 
 
 @rocm_on_cuda_only
