@@ -18,7 +18,8 @@ def _load_chosen_extension(path: str) -> None:
     """Imports `path` as vllm_graph_sleep._cumem, so that VmmDriver (which
     imports that name) and torch's pluggable allocator (which opens its
     __file__) both use it. Fresh-process tests load it again in the child."""
-    ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)  # the build leaves cu* undefined
+    if torch.version.hip is None:  # CUDA-driver builds leave cu* to the loaded libcuda
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
     spec = importlib.util.spec_from_file_location("vllm_graph_sleep._cumem", path)
     if spec is None:
         raise pytest.UsageError(f"{EXTENSION_ENV}={path!r} is not a loadable extension")
