@@ -171,9 +171,20 @@ bool create_and_map(int device, size_t size, uint64_t address, Allocation* alloc
   return map_fresh_memory(device, address, size, &allocation->physical);
 }
 
+// All or nothing, like map_fresh_memory: on failure the memory is still mapped
+// with its contents, so the caller's bookkeeping (and a sleep's rollback) can
+// treat a failed call as one that changed nothing.
 bool unmap_and_release(int device, size_t size, uint64_t address, Allocation* allocation) {
-  if (!succeeded(bind_device(device)) || !succeeded(unmap_physical(address, size)) ||
-      !succeeded(release_physical(allocation->physical))) {
+  if (!succeeded(bind_device(device)) || !succeeded(unmap_physical(address, size))) {
+    return false;
+  }
+  if (!succeeded(release_physical(allocation->physical))) {
+    const std::string release_error = t_last_error;
+    // Same physical memory, same address: nothing was lost yet.
+    if (succeeded(map_physical(address, size, allocation->physical))) {
+      grant_read_write(address, size, device);
+    }
+    t_last_error = release_error;
     return false;
   }
   if (kPlaceholderWhileAsleep) {
