@@ -20,8 +20,16 @@ of ours, one that did not change clears the pools.
     python benchmarks/upstream_sequence.py --config ours --mode PIECEWISE --breakable
 
 `--config stock` runs stock vLLM 0.26 sleep mode (no graph offload) through the
-same steps. Prints one line `RESULT {json}`: per step the token ids and whether
-they equal the first generation's. Exit status: 0 when it ran, 2 without a GPU.
+same steps. `--late-env` loads vLLM's general plugins in this process before
+VLLM_USE_BREAKABLE_CUDAGRAPH is set (as a test suite does when an earlier test
+made an EngineArgs) and forks the engine, as vLLM does by default; with
+`--import-attention-first` it also imports vLLM's attention layer module first,
+as a plugin that imports worker modules at load would. vLLM decides at that
+import whether attention breaks the graph, so a forked engine then captures
+attention inside its breakable graphs.
+
+Prints one line `RESULT {json}`: per step the token ids and whether they equal
+the first generation's. Exit status: 0 when it ran, 2 without a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +45,14 @@ import torch
 
 PROMPT = "How are you?"
 MAX_TOKENS = 10
+
+
+def load_plugins_early(import_attention: bool) -> None:
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    if import_attention:
+        import vllm.model_executor.layers.attention.attention  # noqa: F401
 
 
 def set_env(breakable: bool, in_process: bool) -> None:
@@ -94,13 +110,20 @@ def main() -> int:
     parser.add_argument("--mode", default="PIECEWISE")
     parser.add_argument("--breakable", action="store_true")
     parser.add_argument("--in-process", action="store_true", help="engine in this process")
+    parser.add_argument("--late-env", action="store_true")
+    parser.add_argument("--import-attention-first", action="store_true")
     parser.add_argument("--kind", default="llama")
     parser.add_argument("--model", help="model directory (default: made locally)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     args = parser.parse_args()
+    # NVML's answer: the CUDA runtime stays uninitialised, so the engine can fork.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     if not torch.cuda.is_available():
         print("upstream_sequence: no CUDA or ROCm GPU visible; nothing to run", file=sys.stderr)
         return 2
+    if args.late_env:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        load_plugins_early(args.import_attention_first)
     set_env(args.breakable, args.in_process)
 
     from vllm import LLM, SamplingParams

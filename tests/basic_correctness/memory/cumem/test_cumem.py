@@ -567,3 +567,76 @@ def test_a_lost_placeholder_fails_the_wake_cleanly_and_a_retry_succeeds(capfd):
     alloc.wake_up()
     assert weights.data_ptr() == pointer
     assert torch.equal(weights, expected)
+
+
+@fresh_process
+def test_a_pool_hands_back_free_segments_when_its_context_exits():
+    """Dead memory of a load (bf16 weights quantized online, repacked MoE
+    weights) is not kept mapped, nor copied to host at every sleep."""
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        weights = torch.full((8 * MIB,), 7, dtype=torch.uint8, device="cuda")
+        scratch = torch.ones(64 * MIB, dtype=torch.uint8, device="cuda")
+        later = torch.ones(32 * MIB, dtype=torch.uint8, device="cuda")
+        del scratch
+    free_after_exit = torch.cuda.mem_get_info()[0]
+    assert alloc.mapped_bytes("weights") < 64 * MIB, "the free 64 MiB segment stayed mapped"
+    del later  # freed after the context: handed back before the next sleep backs it up
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.host_bytes() < 32 * MIB
+    assert torch.cuda.mem_get_info()[0] >= free_after_exit + 8 * MIB
+    alloc.wake_up()
+    torch.cuda.synchronize()
+    assert bool((weights == 7).all())
+
+
+@fresh_process
+def test_gemma4_centroid_graphs_land_in_our_pool_and_replay_after_sleep():
+    """vLLM 0.26's own Gemma4Proposer._setup_centroids_cuda_graphs, run on a
+    stand-in drafter (random centroid weights), inside load_model's weights pool."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.gemma4 import Gemma4Proposer
+
+    from vllm_graph_sleep import config
+    from vllm_graph_sleep.patches import v1_spec_decode_gemma4
+    from vllm_graph_sleep.probe import foreign_pool_bytes
+
+    v1_spec_decode_gemma4.apply()
+    config.mark_active()
+    alloc = manager()
+    hidden, vocab = 256, 4096
+
+    class MaskedEmbedding:
+        hidden_size = hidden
+
+        @staticmethod
+        def get_top_tokens(states, lm_head):
+            return torch.topk(states.float() @ lm_head.float().t(), k=4, dim=-1).indices
+
+    with alloc.use_memory_pool("weights"):
+        lm_head = torch.randn(vocab, hidden, dtype=torch.bfloat16, device="cuda")
+        drafter = SimpleNamespace(
+            model=SimpleNamespace(
+                masked_embedding=MaskedEmbedding(), _get_full_lm_head_weight=lambda: lm_head
+            ),
+            dtype=torch.bfloat16,
+            device=torch.device("cuda"),
+            _centroids_graphs={},
+            _centroids_inputs={},
+            _centroids_outputs={},
+        )
+        Gemma4Proposer._setup_centroids_cuda_graphs(drafter)
+    graph_bytes = alloc.mapped_bytes(GRAPH_TAG)
+    assert graph_bytes > 0
+    assert foreign_pool_bytes(torch.cuda.memory_snapshot(), set(alloc.allocations)) == 0
+
+    alloc.sleep(offload_tags=("weights", GRAPH_TAG))
+    assert alloc.mapped_bytes() == 0
+    alloc.wake_up()
+    for size, graph in drafter._centroids_graphs.items():
+        states = torch.randn(size, hidden, dtype=torch.bfloat16, device="cuda")
+        drafter._centroids_inputs[size].copy_(states)
+        graph.replay()
+        expected = MaskedEmbedding.get_top_tokens(states, lm_head)
+        assert torch.equal(drafter._centroids_outputs[size], expected), size
