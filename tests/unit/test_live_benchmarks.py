@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import wake_pressure
+from benchmarks import serve_soak, wake_pressure
 from tests.unit.fake_vllm_server import IDLE, SIZES, TOTAL
 from vllm_graph_sleep.bench import gpu, live
 
@@ -88,6 +88,10 @@ class Fake:
             "fake",
             self.lines.append,
         )
+
+    def soak_run(self, *extra: str) -> dict:
+        args = serve_soak.parse_args(self.argv(*extra))
+        return serve_soak.run(args, self.memory, self.command_for, "fake", self.lines.append)
 
     def written(self) -> dict:
         return json.loads(self.out.read_text())
@@ -274,6 +278,100 @@ def test_take_memory_with_nothing_to_take():
     assert device.blocks == []
 
 
+# -- soak ------------------------------------------------------------------------------
+
+SOAK_CYCLE_KEYS = {
+    "cycle": int,
+    "level": int,
+    "wake": str,
+    "asleep_mib": float,
+    "awake_mib": float,
+    "host_rss_mib": float,
+    "host_rss_asleep_mib": float,
+    "exact": bool,
+}
+
+
+def test_soak_cycles_alternate_and_stay_exact_and_flat(fake):
+    results = fake.soak_run("--cycles", "5")
+    assert results == fake.written()
+    assert results["ok"] is True and results["cycles"] == 5
+    cycles = results["results"]
+    assert [(c["level"], c["wake"]) for c in cycles] == [
+        (1, "full"),
+        (2, "staged"),
+        (1, "staged"),
+        (2, "full"),
+        (1, "full"),
+    ]
+    for record in cycles:
+        for key, kind in SOAK_CYCLE_KEYS.items():
+            assert isinstance(record[key], kind), (key, record)
+        # The fake's layout: everything of ours leaves the GPU asleep.
+        assert record["asleep_mib"] == (IDLE + 400 * MiB) / MiB
+        assert record["awake_mib"] == record["asleep_mib"] + sum(SIZES.values()) / MiB
+        assert record["asleep_mapped_mib"] == 0
+        assert record["host_rss_mib"] > 5  # the fake server's Python process
+        assert any(
+            "fake_vllm_server" in name or "python" in name
+            for name in record["host_rss_by_process_mib"]
+        )
+    summary = results["summary"]
+    assert summary["all_exact"] and summary["cycles_done"] == 5
+    for key in ("asleep_mib", "awake_mib"):
+        assert summary[key]["flat"] is True and summary[key]["max_dev_mib"] == 0
+    assert "host_rss_mib" in summary and summary["host_rss_mib"]["flat"] in (True, False)
+    text = "\n".join(fake.lines)
+    assert "cycle 5/5 L1 full" in text and "NVML asleep: cycle 1 900.0 MiB" in text
+    fake.assert_all_stopped(results)
+
+
+def test_soak_wrong_tokens_are_reported_per_cycle(fake, monkeypatch):
+    monkeypatch.setenv("FAKE_CORRUPT", "1")
+    results = fake.soak_run("--cycles", "2")
+    assert results["ok"] is False
+    assert [c["exact"] for c in results["results"]] == [False, False]
+    assert results["summary"]["inexact_cycles"] == [1, 2]
+    assert "DIFFERS" in "\n".join(fake.lines)
+    fake.assert_all_stopped(results)
+
+
+def test_soak_server_that_dies_keeps_what_was_measured(fake, monkeypatch):
+    monkeypatch.setenv("FAKE_DIE_ON_SLEEP", "1")
+    results = fake.soak_run("--cycles", "3")
+    written = fake.written()
+    assert written["ok"] is False and "POST /sleep?level=1 failed" in written["error"]
+    assert written["results"] == [] and written["reference"]
+    assert written["summary"]["cycles_done"] == 0 and results["server_exit_code"] == 7
+
+
+def records(key: str, values: list[float]) -> list[dict]:
+    return [
+        {"cycle": n, "level": 1 if n % 2 else 2, key: value}
+        for n, value in enumerate(values, start=1)
+    ]
+
+
+def test_flatness_measures_from_cycle_two():
+    flat = serve_soak.flatness(records("asleep_mib", [1000, 900, 901, 899, 900]), "asleep_mib", 2)
+    assert flat["cycle1_mib"] == 1000 and flat["cycle2_mib"] == 900
+    assert (flat["max_dev_mib"], flat["spread_mib"], flat["drift_mib"]) == (1, 2, 0)
+    assert flat["flat"] is True
+
+    growing = serve_soak.flatness(records("x", [50, 10, 11, 12, 13, 14]), "x", 2)
+    assert growing["flat"] is False
+    assert (growing["max_dev_mib"], growing["worst_cycle"], growing["drift_mib"]) == (4, 6, 4)
+    # Level 2 (even cycles) sits 3 MiB above level 1, steadily: not drift per level.
+    steady = serve_soak.flatness(records("x", [0, 103, 100, 103, 100, 103]), "x", 2)
+    assert steady["flat"] is False and steady["max_dev_by_level_mib"] == {"1": 0, "2": 0}
+
+    assert serve_soak.flatness(records("x", [5]), "x", 2) == {
+        "tolerance_mib": 2,
+        "cycle1_mib": 5,
+        "flat": None,
+    }
+
+
 # -- exit status through main ----------------------------------------------------------
 
 
@@ -289,9 +387,11 @@ def test_main_exit_status(fake, monkeypatch, corrupt):
     want = 1 if corrupt else 0
     assert wake_pressure.main(fake.argv()) == want
     assert fake.written()["ok"] is not corrupt
+    assert serve_soak.main([*fake.argv(), "--cycles", "2"]) == want
+    assert fake.written()["ok"] is not corrupt
 
 
-@pytest.mark.parametrize("script", ["wake_pressure.py"])
+@pytest.mark.parametrize("script", ["wake_pressure.py", "serve_soak.py"])
 def test_without_gpu_exit_2_with_one_line(tmp_path, script):
     # CUDA_VISIBLE_DEVICES="" hides every GPU, so this holds on a GPU machine too.
     result = subprocess.run(
