@@ -10,17 +10,17 @@ follow the memory layout of each configuration: stock keeps its graphs while
 asleep, ours and eager do not.
 
 Level 2 discards the weights: until reload_weights runs, completions come out
-wrong, as they would on a real server.
+wrong, as they would on a real server. Environment switches for failure tests:
+FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_DIE_ON_SLEEP=1 (the
+process exits on the first /sleep), FAKE_START_DELAY=S (seconds before /health
+answers), FAKE_ENGINE_FAILS=1 (logs vLLM's engine start-up failure, then hangs).
 
 With --pressure-file, the bytes written in that file are held by another process
 (tests/unit/fake_gpu_hog.py) on a GPU of TOTAL bytes: a wake whose memory does
 not fit in what is left answers 500 and changes nothing, as vLLM 0.26 answers a
 wake whose worker raised (the reason is only in the log) and as our allocator
 rolls a failed wake back; FAKE_NO_ROLLBACK=1 leaves the first tag of such a wake
-mapped instead (a half-done wake, what the allocator must never do). Environment switches for failure tests:
-FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_DIE_ON_SLEEP=1 (the
-process exits on the first /sleep), FAKE_START_DELAY=S (seconds before /health
-answers), FAKE_ENGINE_FAILS=1 (logs vLLM's engine start-up failure, then hangs).
+mapped instead (a half-done wake, what the allocator must never do).
 """
 
 from __future__ import annotations
