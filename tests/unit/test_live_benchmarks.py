@@ -272,6 +272,33 @@ def test_take_memory_leaves_about_the_margin(largest, extra):
     assert held == sum(device.blocks)
 
 
+def test_hog_reports_what_it_holds_in_the_line_the_driver_reads(monkeypatch, capsys):
+    # hog_main's torch calls on the CPU: free memory from a fake device whose
+    # failures are torch's out-of-memory error; stdin already closed.
+    import io
+
+    import torch
+
+    device = FakeDevice(free=2000 * MiB + 7 * MiB, largest=300 * MiB)
+
+    def allocate(size, dtype, device_name):
+        assert (dtype, device_name) == (torch.uint8, "cuda")
+        try:
+            device.allocate(size)
+        except MemoryError:
+            raise torch.OutOfMemoryError("fake") from None
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (device.free(), TOTAL))
+    monkeypatch.setattr(torch, "empty", lambda size, dtype, device: allocate(size, dtype, device))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert wake_pressure.main(["hog", str(MARGIN)]) == 0
+    words = capsys.readouterr().out.split()
+    assert words[0] == wake_pressure.READY and len(words) == 4
+    held, before, after = map(int, words[1:])
+    assert (held, before, after) == (sum(device.blocks), 2007 * MiB, device.free_bytes)
+    assert MARGIN <= after < MARGIN + 12 * MiB
+
+
 def test_take_memory_with_nothing_to_take():
     device = FakeDevice(free=MARGIN + 9 * MiB, largest=TOTAL)
     assert wake_pressure.take_memory(device.free, device.allocate, MARGIN, MemoryError) == 0
