@@ -69,7 +69,8 @@ class Client:
         except urllib.error.HTTPError as error:
             detail = error.read()[:300].decode(errors="replace").replace("\n", " ")
             raise ServerError(
-                f"[{self.name}] {call} answered {error.code}: {detail}; {self._where()}"
+                f"[{self.name}] {call} answered {error.code}: {detail}; {self._where()}",
+                status=error.code,
             ) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
             reason = getattr(error, "reason", error)
