@@ -14,7 +14,9 @@ import importlib
 
 PATCH_MODULES = (
     "engine_arg_utils",
+    "entrypoints_serve_utils_server_utils",
     "entrypoints_serve_dev_sleep_api_router",
+    "v1_engine_core",
     "distributed_device_communicators_custom_all_reduce",
     "distributed_device_communicators_aiter_custom_all_reduce",
     "v1_worker_gpu_worker",
