@@ -104,6 +104,14 @@ def test_bad_level_is_rejected_before_the_engine(client, engine, level):
     assert engine.calls == []
 
 
+@pytest.mark.parametrize("query", ["level=1&level=2", "level=1&level=1", "mode=keep&mode=wait"])
+def test_repeated_sleep_parameter_is_rejected(client, engine, query):
+    response = client.post(f"/sleep?{query}")
+    assert response.status_code == 400
+    assert "times: give it once" in response.json()["error"]
+    assert engine.calls == []
+
+
 @pytest.mark.parametrize("mode", ["drain", "ABORT", ""])
 def test_bad_mode_is_rejected_before_the_engine(client, engine, mode):
     response = client.post("/sleep", params={"level": "1", "mode": mode})

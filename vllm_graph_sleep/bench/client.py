@@ -37,8 +37,10 @@ class Client:
         name: str,
         where: Callable[[], str],
         timeout: float = 300.0,
+        api_key: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         self.name = name
         self._where = where
         self.timeout = timeout
@@ -55,7 +57,7 @@ class Client:
         if query:
             url += "?" + urllib.parse.urlencode(list(query))
         data = None
-        headers = {}
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"

@@ -8,7 +8,8 @@ the module's router. Verified against vLLM 0.26.0.
 Why: 0.26 passes the query of these endpoints to the engine unchecked.
 `/sleep?level=3` reaches the sleep backend, which discards the weights, while
 Worker.sleep saves the model buffers only at level 2, so they are lost; an
-unknown `/wake_up` tag is ignored and answered 200. attach_router is wrapped so
+unknown `/wake_up` tag is ignored and answered 200; a repeated `level` or `mode`
+is silently resolved to one of its values. attach_router is wrapped so
 that, before vLLM's router is included, the app gets an ASGI middleware that
 answers such requests with 400 and a JSON body {"error": ...} without calling
 the engine; valid requests pass through untouched. The middleware is applied
@@ -98,6 +99,10 @@ def _listed(values: tuple) -> str:
 
 
 def _sleep_error(params: QueryParams) -> str | None:
+    for name in ("level", "mode"):
+        if len(params.getlist(name)) > 1:
+            # vLLM's handler would silently take one of them.
+            return f"sleep {name} given {len(params.getlist(name))} times: give it once"
     # Same reads and defaults as vLLM's handler, so both judge the same values.
     level = params.get("level", "1")
     try:
