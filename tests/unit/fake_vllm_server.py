@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -128,14 +129,17 @@ class State:
 class Handler(BaseHTTPRequestHandler):
     state: State
     ready_at: float
+    lock = threading.Lock()
 
     def log_message(self, fmt, *args):  # into the log file, like a server
         sys.stdout.write("fake-vllm: " + (fmt % args) + "\n")
         sys.stdout.flush()
 
-    def _send(self, code: int, body: object = None) -> None:
+    def _send(self, code: int, body: object = None, headers: dict | None = None) -> None:
         raw = b"" if body is None else json.dumps(body).encode()
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if body is not None:
             self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(raw)))
@@ -166,13 +170,18 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": path})
 
     def do_POST(self):  # noqa: N802
+        # One state change at a time (the HTTP server runs a thread per request).
+        with Handler.lock:
+            self._post()
+
+    def _post(self):
         url = urllib.parse.urlparse(self.path)
         query = urllib.parse.parse_qs(url.query)
         state = self.state
         if url.path == "/v1/completions":
             body = self._body()
             if not all(state.mapped.values()):
-                self._send(503, {"error": "asleep"})
+                self._send(503, {"error": "asleep"}, {"Retry-After": "1"})
                 return
             assert body.get("return_token_ids") is True and body.get("temperature") == 0
             prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
@@ -215,7 +224,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_text(500, "Internal Server Error")
                 return
             for tag in tags:
-                state.mapped[tag] = True
+                if tag in state.mapped:  # "scheduling" ends a level-0 pause: nothing here
+                    state.mapped[tag] = True
             state.woken_once = True
             time.sleep(0.01)
             state.write()
