@@ -23,7 +23,7 @@ spec.loader.exec_module(fuzz)
 FAKE = ROOT / "tests" / "unit" / "fake_vllm_server.py"
 #: What the fake server does not validate (vLLM with the plugin does).
 FAKE_GAPS = {"bad_sleep", "bad_wake_up", "wrong_method", "invalid_utf8", "not_json"}
-FAKE_GAPS |= {"no_method", "oversized", "bad_rpc"}
+FAKE_GAPS |= {"no_method", "rpc_shape", "oversized", "bad_rpc"}
 
 
 def judge(action: str, status: int | None, headers=None, body=b"{}", error=""):

@@ -16,6 +16,7 @@ PATCH_MODULES = (
     "engine_arg_utils",
     "entrypoints_serve_utils_server_utils",
     "entrypoints_serve_dev_sleep_api_router",
+    "entrypoints_serve_dev_rpc_api_router",
     "v1_engine_core",
     "distributed_device_communicators_custom_all_reduce",
     "distributed_device_communicators_aiter_custom_all_reduce",
