@@ -31,7 +31,9 @@ API server forwarded a /sleep or /pause, or on every inference request when
 several API server processes share the engine (--api-server-count > 1),
 where another process may have put it to sleep.
 
-Remove when: vLLM 0.33+ (its sleep endpoints validate level and mode).
+Remove when: SleepRequestValidation, on vLLM 0.33+ (it validates level and
+mode); AsleepGate, when vLLM bounds the wait of a request sent to a sleeping
+engine (0.33 does not).
 """
 
 from __future__ import annotations
