@@ -352,3 +352,15 @@ def test_bad_wait_bound_fails_at_start_up(monkeypatch, value):
     monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, value)
     with pytest.raises(ValueError, match=patch.ASLEEP_WAIT_ENV):
         patch.apply()
+
+
+def test_a_failing_engine_check_lets_the_request_through_to_vllm(gate):
+    class DeadEngine(StagedEngine):
+        async def is_sleeping(self) -> bool:
+            raise RuntimeError("engine core died")
+
+    engine = DeadEngine()
+    app = gated_app(engine)
+    run(app, post("/sleep?level=1"))
+    (answer,) = run(app, post("/v1/completions"))
+    assert answer.status_code == 200 and ("completion",) in engine.calls

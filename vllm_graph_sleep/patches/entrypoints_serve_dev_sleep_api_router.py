@@ -210,13 +210,22 @@ class AsleepGate:
         if engine is None:  # not serving yet: vLLM answers as it would
             return True
         deadline = time.monotonic() + self.wait_s
-        while await engine.is_sleeping():
+        while await self._is_sleeping(engine):
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
         if self.sleeps_in_flight == 0:
             self.maybe_asleep = False
         return True
+
+    @staticmethod
+    async def _is_sleeping(engine: Any) -> bool:
+        try:
+            return await engine.is_sleeping()
+        except Exception:
+            # A dead or failing engine: let the request through, so vLLM's own
+            # handlers answer it (and shut a dead server down) as they would.
+            return False
 
 
 def _wrap_attach_router(original: Callable[..., Any]) -> Callable[..., Any]:
