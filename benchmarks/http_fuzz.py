@@ -26,6 +26,7 @@ import functools
 import json
 import random
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -340,7 +341,8 @@ def start_server(args) -> tuple[object, str, str]:
     )
     env = server_env()
     env["VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S"] = str(ASLEEP_WAIT_S)
-    log = Path(args.out).with_suffix(".server.log")
+    log = Path(tempfile.mkdtemp(prefix="http-fuzz-")) / "server.log"
+    print(f"http_fuzz: starting vllm serve; its log: {log}", flush=True)
     server = Server("fuzz", command, env, log)
     server.start(f"http://127.0.0.1:{port}")
     server.wait_healthy(timeout=900)
