@@ -397,6 +397,34 @@ PyObject* py_unmap_and_release(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* py_stack_limit(PyObject* /*self*/, PyObject* args) {
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "i", &device)) {
+    return nullptr;
+  }
+  size_t bytes = 0;
+  if (!succeeded(bind_device(device)) || !succeeded(get_stack_limit(&bytes))) {
+    return raise_last_error();
+  }
+  return PyLong_FromSize_t(bytes);
+}
+
+PyObject* py_set_stack_limit(PyObject* /*self*/, PyObject* args) {
+  int device = 0;
+  unsigned long long bytes = 0;
+  if (!PyArg_ParseTuple(args, "iK", &device, &bytes)) {
+    return nullptr;
+  }
+  bool ok = false;
+  Py_BEGIN_ALLOW_THREADS
+  ok = succeeded(bind_device(device)) && succeeded(set_stack_limit(static_cast<size_t>(bytes)));
+  Py_END_ALLOW_THREADS
+  if (!ok) {
+    return raise_last_error();
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* py_last_error(PyObject* /*self*/, PyObject* /*args*/) {
   return PyUnicode_FromString(t_last_error.c_str());
 }
@@ -409,6 +437,10 @@ PyMethodDef kMethods[] = {
      "create_and_map(device, size, address, handle): map fresh physical memory at address."},
     {"unmap_and_release", py_unmap_and_release, METH_VARARGS,
      "unmap_and_release(device, size, address, handle): give the physical memory back."},
+    {"stack_limit", py_stack_limit, METH_VARARGS,
+     "stack_limit(device): the per-thread stack limit of the device's context, in bytes."},
+    {"set_stack_limit", py_set_stack_limit, METH_VARARGS,
+     "set_stack_limit(device, bytes): sets it; the context's reservation follows."},
     {"last_error", py_last_error, METH_NOARGS,
      "The last failure recorded on this thread (my_malloc's too, which also goes to stderr)."},
     {nullptr, nullptr, 0, nullptr},

@@ -194,4 +194,31 @@ inline DriverResult grant_read_write(uint64_t address, size_t size, int device) 
 #endif
 }
 
+// The per-thread stack limit of the current device's context. The context
+// reserves limit x every thread the GPU can hold resident (264 MiB at 1 KiB on
+// an H200) and never shrinks it by itself; sleep lowers it, wake restores it.
+// HIP has the stack limit from ROCm 6.0 on; against older headers (CI compiles
+// against Debian's HIP 5.2) both calls report "not supported" and sleep keeps it.
+inline DriverResult get_stack_limit(size_t* bytes) {
+#if defined(USE_ROCM) && HIP_VERSION_MAJOR >= 6
+  return {hipDeviceGetLimit(bytes, hipLimitStackSize), "hipDeviceGetLimit"};
+#elif defined(USE_ROCM)
+  *bytes = 0;
+  return {hipErrorNotSupported, "hipDeviceGetLimit(hipLimitStackSize)"};
+#else
+  return {cuCtxGetLimit(bytes, CU_LIMIT_STACK_SIZE), "cuCtxGetLimit"};
+#endif
+}
+
+inline DriverResult set_stack_limit(size_t bytes) {
+#if defined(USE_ROCM) && HIP_VERSION_MAJOR >= 6
+  return {hipDeviceSetLimit(hipLimitStackSize, bytes), "hipDeviceSetLimit"};
+#elif defined(USE_ROCM)
+  (void)bytes;
+  return {hipErrorNotSupported, "hipDeviceSetLimit(hipLimitStackSize)"};
+#else
+  return {cuCtxSetLimit(CU_LIMIT_STACK_SIZE, bytes), "cuCtxSetLimit"};
+#endif
+}
+
 }  // namespace graph_sleep

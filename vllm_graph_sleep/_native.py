@@ -64,6 +64,12 @@ class VmmDriver:
     def unmap_and_release(self, device: int, size: int, address: int, handle: int) -> None:
         self._ext.unmap_and_release(device, size, address, handle)
 
+    def stack_limit(self, device: int) -> int:
+        return self._ext.stack_limit(device)
+
+    def set_stack_limit(self, device: int, size: int) -> None:
+        self._ext.set_stack_limit(device, size)
+
     def last_error(self) -> str:
         return self._ext.last_error()
 

@@ -23,6 +23,10 @@ Rules it keeps:
   back fully free segments (dead memory after online quantization or weight
   repacking is not kept, nor backed up at sleep); sleep first releases what
   such pools freed since. Only the graph pool lives as long as the engine;
+- a sleep lowers each device's per-thread stack limit (the context's stack
+  reservation) once its memory is released, and any wake restores it first,
+  before it maps anything; a wake whose restore fails changes nothing and
+  raises `WakeUpError`, a wake that fails later lowers it again;
 - on ROCm, memory that comes back without a backup is zeroed and the device
   synchronized before wake returns (amdgpu can hand back stale VRAM,
   vllm-project/vllm#44972); CUDA does not zero unless asked to.
@@ -59,6 +63,12 @@ BUILTIN_TAGS = (DEFAULT_TAG, WEIGHTS_TAG, KV_CACHE_TAG, GRAPH_TAG, RUNTIME_TAG)
 
 ZERO_ON_WAKE_ENV = "VLLM_GRAPH_SLEEP_ZERO_ON_WAKE"
 RELEASE_HOST_MEMORY_ENV = "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"
+RELEASE_STACK_ENV = "VLLM_GRAPH_SLEEP_RELEASE_STACK"
+# Per-thread stack limit while asleep. The context reserves limit x every thread
+# the GPU can hold resident (264 MiB at 1 KiB on an H200) and keeps it until the
+# limit changes; nothing runs a graph while asleep, and wake restores the limit
+# before anything can replay one (a replay with too little stack fails).
+STACK_WHILE_ASLEEP = 0
 
 
 class WakeUpError(RuntimeError):
@@ -125,6 +135,7 @@ class GraphSleepAllocator:
         *,
         zero_on_wake: bool | None = None,
         release_host_memory: bool | None = None,
+        release_stack: bool | None = None,
     ):
         self._driver = driver
         self.allocations: dict[int, Allocation] = {}
@@ -142,6 +153,11 @@ class GraphSleepAllocator:
         if release_host_memory is None:
             release_host_memory = bool(_env_flag(RELEASE_HOST_MEMORY_ENV))
         self.release_host_memory = release_host_memory
+        if release_stack is None:
+            release_stack = _env_flag(RELEASE_STACK_ENV) is not False
+        self.release_stack = release_stack
+        # device -> the stack limit a wake puts back (only while it is lowered)
+        self._saved_stack: dict[int, int] = {}
         # The extension keeps its own references to these bound methods.
         driver.register_callbacks(self._on_malloc, self._on_free)
 
@@ -366,12 +382,42 @@ class GraphSleepAllocator:
                 _describe(still_mapped),
                 "; ".join(failures),
             )
+        stack = self._lower_stack({allocation.device for allocation in self.allocations.values()})
         logger.info(
-            "graph-sleep sleep: backed up %s; dropped %s; %.3f s",
+            "graph-sleep sleep: backed up %s; dropped %s; %s; %.3f s",
             _describe(kept),
             _describe(dropped),
+            stack,
             time.perf_counter() - start,
         )
+
+    def _lower_stack(self, devices: set[int]) -> str:
+        """Lowers the stack limit of `devices`, remembering what to restore;
+        a device that refuses keeps its reservation (less is freed, no harm)."""
+        if not self.release_stack:
+            return "stack reservation kept (VLLM_GRAPH_SLEEP_RELEASE_STACK=0)"
+        lowered = []
+        for device in sorted(devices - self._saved_stack.keys()):
+            try:
+                limit = self._driver.stack_limit(device)
+                self._driver.set_stack_limit(device, STACK_WHILE_ASLEEP)
+            except Exception as error:
+                logger.warning(
+                    "graph-sleep sleep: device %d keeps its stack reservation: %s", device, error
+                )
+                continue
+            self._saved_stack[device] = limit
+            lowered.append(f"device {device} {limit} -> {STACK_WHILE_ASLEEP}")
+        if not lowered:
+            return "stack limit unchanged"
+        return "stack limit per thread " + ", ".join(lowered) + " B"
+
+    def _restore_stack(self) -> None:
+        """Puts back every lowered stack limit; raises on the first refusal
+        (the devices not yet restored stay lowered)."""
+        for device, limit in sorted(self._saved_stack.items()):
+            self._driver.set_stack_limit(device, limit)
+            del self._saved_stack[device]
 
     def _back_up(self, allocations: list[Allocation]) -> None:
         """Copies `allocations` to pinned host buffers and waits for the copies."""
@@ -427,6 +473,16 @@ class GraphSleepAllocator:
         targets = [a for a in self.allocations.values() if not a.mapped and wanted(a)]
         # Graph pool and other internal tags first: they are what replays need.
         targets.sort(key=lambda a: (a.tag in DEFERRABLE_TAGS, a.tag != GRAPH_TAG))
+        lowered = set(self._saved_stack)
+        try:
+            # Before anything else: no graph may replay with the stack lowered.
+            self._restore_stack()
+        except Exception as error:
+            self._lower_stack(lowered)
+            raise WakeUpError(
+                f"wake_up(tags={tags}) failed restoring the per-thread stack limit: {error}. "
+                "Nothing was mapped; the engine is still asleep and the wake can be retried."
+            ) from error
         if not targets:
             logger.info("graph-sleep wake_up(tags=%s): nothing asleep to wake", tags)
             return
@@ -444,6 +500,7 @@ class GraphSleepAllocator:
             restored, fresh = self._fill(mapped)
         except Exception as error:
             self._roll_back(mapped)
+            self._lower_stack(lowered)  # asleep again
             wanted_bytes = sum(a.size for a in targets)
             raise WakeUpError(
                 f"wake_up(tags={tags}) failed after mapping {len(mapped)} of {len(targets)} "
@@ -463,12 +520,13 @@ class GraphSleepAllocator:
                 _add(still_asleep, allocation.tag, allocation.size)
         logger.info(
             "graph-sleep wake_up(tags=%s): restored from host %s; remapped without backup %s%s; "
-            "still asleep %s; %.3f s",
+            "still asleep %s; %s; %.3f s",
             tags,
             _describe(restored),
             _describe(fresh),
             " (zeroed)" if self.zero_on_wake and fresh else "",
             _describe(still_asleep),
+            "stack limit restored" if lowered else "stack limit unchanged",
             time.perf_counter() - start,
         )
 

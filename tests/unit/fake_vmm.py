@@ -22,6 +22,7 @@ import torch
 
 STALE_BYTE = 0x5A
 PAGE = 2 << 20
+DEFAULT_STACK = 1024  # bytes per thread, what an H200 context starts with
 
 
 class FakePool:
@@ -62,6 +63,7 @@ class FakeVmmDriver:
         self.cached: set[int] = set()  # segments whose tensor died, still in their pool
         self._freeable: list[list[int]] = []  # segment lists of dropped pools
         self.failures: dict[str, int] = {}  # call -> how many calls succeed before it fails
+        self.stack_limits: dict[int, int] = {}  # device -> per-thread stack bytes
 
     def fail(self, call: str, after: int = 0) -> None:
         """The (after+1)-th next call of `call` raises like the driver would."""
@@ -100,6 +102,14 @@ class FakeVmmDriver:
         if address not in self.memory:
             raise RuntimeError(f"illegal memory access at {address:#x}")
         return self.memory[address]
+
+    def stack_limit(self, device: int) -> int:
+        self._maybe_fail("stack_limit", "cuCtxGetLimit failed: invalid context")
+        return self.stack_limits.get(device, DEFAULT_STACK)
+
+    def set_stack_limit(self, device: int, size: int) -> None:
+        self._maybe_fail("set_stack_limit", "cuCtxSetLimit failed: out of memory")
+        self.stack_limits[device] = size
 
     def host_buffer(self, size: int) -> torch.Tensor:
         self._maybe_fail("host_buffer", "CUDA error: out of memory (pinned host allocation)")

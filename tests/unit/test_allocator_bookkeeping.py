@@ -406,3 +406,65 @@ def test_graph_memory_made_under_a_dropped_tag_is_backed_up_by_the_backend(monke
     backend.resume(["kv_cache"])
     assert bool((driver.read(lazily_captured) == 6).all())
     assert weights not in driver.memory and backend.state() == "SUSPENDED"
+
+
+def test_sleep_lowers_the_stack_limit_and_the_first_wake_restores_it(setup):
+    from tests.unit.fake_vmm import DEFAULT_STACK
+
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+    assert driver.stack_limits == {0: 0}
+    manager.sleep(offload_tags=("weights", "cudagraph"))  # a repeat keeps what to restore
+    manager.wake_up(["weights"])  # staged: the first stage already restores it
+    assert driver.stack_limits == {0: DEFAULT_STACK}
+    manager.wake_up(["kv_cache"])
+    assert driver.stack_limits == {0: DEFAULT_STACK}
+
+
+def test_a_wake_whose_stack_restore_fails_changes_nothing_and_can_be_retried(setup):
+    from tests.unit.fake_vmm import DEFAULT_STACK
+
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+    driver.fail("set_stack_limit")
+    with pytest.raises(WakeUpError, match="stack limit: cuCtxSetLimit failed"):
+        manager.wake_up()
+    assert driver.mapped_bytes() == 0 and driver.stack_limits == {0: 0}
+    manager.wake_up()
+    assert driver.stack_limits == {0: DEFAULT_STACK}
+    assert bool((driver.read(addresses["weights"]) == 1).all())
+
+
+def test_a_wake_that_fails_to_map_lowers_the_stack_again():
+    from tests.unit.fake_vmm import DEFAULT_STACK
+
+    driver, manager = make(capacity=16 * MIB)
+    allocate(driver, manager, "weights", 8 * MIB, value=1)
+    manager.sleep(offload_tags=("weights",))
+    driver.occupied_elsewhere = 12 * MIB
+    with pytest.raises(WakeUpError):
+        manager.wake_up()
+    assert driver.stack_limits == {0: 0}  # asleep again, reservation released again
+    driver.occupied_elsewhere = 0
+    manager.wake_up()
+    assert driver.stack_limits == {0: DEFAULT_STACK}
+
+
+def test_a_device_that_refuses_to_lower_the_stack_still_sleeps(setup, caplog):
+    driver, manager, addresses = setup
+    driver.fail("set_stack_limit")
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights", "cudagraph"))
+    assert "device 0 keeps its stack reservation" in caplog.text
+    assert driver.mapped_bytes() == 0
+    manager.wake_up()
+    assert driver.mapped_bytes() == 14 * MIB and 0 not in driver.stack_limits
+
+
+def test_the_stack_is_left_alone_when_switched_off(monkeypatch):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STACK", "0")
+    driver, manager = make()
+    allocate(driver, manager, "weights", value=1)
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    assert driver.stack_limits == {}

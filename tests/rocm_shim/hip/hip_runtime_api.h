@@ -19,6 +19,9 @@
 #include <cstddef>
 #include <cstdint>
 
+// The HIP release whose API this file stands in for (the stack limit is 6.0+).
+#define HIP_VERSION_MAJOR 6
+
 using hipError_t = CUresult;
 using hipMemGenericAllocationHandle_t = CUmemGenericAllocationHandle;
 using hipStream_t = CUstream;
@@ -119,6 +122,19 @@ inline hipError_t hipMemUnmap(void* ptr, size_t size) {
 inline hipError_t hipMemSetAccess(void* ptr, size_t size, const hipMemAccessDesc* desc,
                                   size_t count) {
   return cuMemSetAccess(reinterpret_cast<CUdeviceptr>(ptr), size, desc, count);
+}
+
+// hipDeviceGetLimit/hipDeviceSetLimit act on the current device, as the
+// context-scoped driver calls do once the device's primary context is current.
+using hipLimit_t = CUlimit;
+constexpr hipLimit_t hipLimitStackSize = CU_LIMIT_STACK_SIZE;
+
+inline hipError_t hipDeviceGetLimit(size_t* value, hipLimit_t limit) {
+  return cuCtxGetLimit(value, limit);
+}
+
+inline hipError_t hipDeviceSetLimit(hipLimit_t limit, size_t value) {
+  return cuCtxSetLimit(limit, value);
 }
 
 // Test hooks, exported from the rocm-on-cuda build only (tests/basic_correctness/

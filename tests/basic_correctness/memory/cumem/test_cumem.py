@@ -640,3 +640,31 @@ def test_gemma4_centroid_graphs_land_in_our_pool_and_replay_after_sleep():
         graph.replay()
         expected = MaskedEmbedding.get_top_tokens(states, lm_head)
         assert torch.equal(drafter._centroids_outputs[size], expected), size
+
+
+@fresh_process
+def test_sleep_releases_the_stack_reservation_and_graphs_replay_after_wake():
+    """The context's per-thread stack reservation is lowered while asleep and
+    back before wake returns: a replay with too little stack would fail."""
+    alloc = manager()
+    driver = alloc._driver
+    static = torch.ones(MIB, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id):
+        out = static * 2 + 1
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    limit = driver.stack_limit(device)
+    pool_bytes = alloc.mapped_bytes()
+    free_before = torch.cuda.mem_get_info()[0]
+    alloc.sleep(offload_tags=(GRAPH_TAG,))
+    assert driver.stack_limit(device) == 0
+    freed = torch.cuda.mem_get_info()[0] - free_before
+    print(f"stack limit {limit} B/thread; sleep freed {freed / MIB:.1f} MiB, pool {pool_bytes}")
+    assert freed > pool_bytes + 64 * MIB, "the stack reservation was not given back"
+    alloc.wake_up()
+    assert driver.stack_limit(device) == limit
+    static.fill_(3)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((out == 7).all())
