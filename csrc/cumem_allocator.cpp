@@ -3,16 +3,18 @@
 // Torch uses my_malloc/my_free as a pluggable allocator; Python drives sleep
 // and wake through create_and_map/unmap_and_release. Each allocation reserves
 // its virtual range once. Sleep unmaps and releases the physical memory but
-// (on CUDA) keeps the range, so pointers baked into CUDA graphs stay valid and
-// wake maps fresh physical memory at the same address. On ROCm the range is
-// released too and re-reserved at the same address on wake (see
-// cumem_compat.h).
+// keeps the address, so pointers baked into CUDA/HIP graphs stay valid and wake
+// maps fresh physical memory at the same address. On CUDA the original
+// reservation keeps it; on ROCm that reservation must go for the VRAM to come
+// back, so an empty placeholder reservation of the same range holds the
+// address while asleep (kPlaceholderWhileAsleep in cumem_compat.h).
 //
 // ABI rules: nothing here throws or exits. Driver failures are recorded in a
 // per-thread message "<call> failed: <driver message>" that the Python entry
-// points raise as RuntimeError; my_malloc returns nullptr (torch reports the
-// OOM) and my_free logs. The mapping path enqueues no stream work: it runs
-// during graph capture.
+// points raise as RuntimeError. my_malloc and my_free have no Python caller to
+// raise to: they write one line per failure to stderr (the worker's log), and
+// my_malloc returns nullptr, which torch turns into its generic out-of-memory
+// error. The mapping path enqueues no stream work: it runs during graph capture.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -34,6 +36,16 @@ PyObject* g_on_malloc = nullptr;
 PyObject* g_on_free = nullptr;
 
 thread_local std::string t_last_error;
+
+// What this module keeps per allocation. Python holds its address as the
+// allocation's "handle" and hands it back on every call.
+struct Allocation {
+  PhysicalHandle physical{};
+  // Whether a reservation of ours covers the allocation's range. False only
+  // for a ROCm allocation asleep whose placeholder could not be had; wake then
+  // reserves the range again.
+  bool range_held = true;
+};
 
 bool succeeded(DriverResult result) {
   if (result.ok()) {
@@ -68,6 +80,11 @@ class PyRef {
   PyObject* object_;
 };
 
+// One line on stderr for a failure that no Python caller will raise.
+void report(const char* context) {
+  std::fprintf(stderr, "[vllm_graph_sleep] %s: %s\n", context, t_last_error.c_str());
+}
+
 bool interpreter_alive() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsInitialized() && !Py_IsFinalizing();
@@ -94,6 +111,8 @@ bool map_fresh_memory(int device, uint64_t address, size_t size, PhysicalHandle*
   return true;
 }
 
+// Reserves exactly [address, address + size) again. The address is only a
+// hint to the driver, which offers another range when that one is taken.
 bool reclaim_address(int device, uint64_t address, size_t size) {
   size_t granularity = 0;
   if (!succeeded(allocation_granularity(device, &granularity))) {
@@ -116,50 +135,79 @@ bool reclaim_address(int device, uint64_t address, size_t size) {
   return true;
 }
 
-bool create_and_map(int device, size_t size, uint64_t address, PhysicalHandle* handle) {
+// Trades the reservation of a range whose physical memory was just released
+// for an empty placeholder of the same range (kPlaceholderWhileAsleep). The
+// allocation is asleep whatever happens here, so failures are reported, not
+// returned: if the placeholder cannot be had, the range is left free and wake
+// reserves it again, failing cleanly if another mapping took it meanwhile.
+void hold_with_placeholder(int device, uint64_t address, size_t size, Allocation* allocation) {
+  char context[160];
+  if (!succeeded(free_address(address, size))) {
+    std::snprintf(context, sizeof(context),
+                  "sleep of 0x%" PRIx64 " kept its reservation (and maybe its VRAM)", address);
+    report(context);
+    return;
+  }
+  allocation->range_held = reclaim_address(device, address, size);
+  if (!allocation->range_held) {
+    std::snprintf(context, sizeof(context),
+                  "sleep of 0x%" PRIx64 " holds no placeholder; wake will reserve it again",
+                  address);
+    report(context);
+  }
+}
+
+bool create_and_map(int device, size_t size, uint64_t address, Allocation* allocation) {
   if (!succeeded(bind_device(device))) {
     return false;
   }
-  if (kReleaseAddressOnSleep && !reclaim_address(device, address, size)) {
+  if (!allocation->range_held) {
+    if (!reclaim_address(device, address, size)) {
+      return false;
+    }
+    allocation->range_held = true;
+  }
+  // On failure the range stays reserved for the next wake.
+  return map_fresh_memory(device, address, size, &allocation->physical);
+}
+
+// All or nothing, like map_fresh_memory: on failure the memory is still mapped
+// with its contents, so the caller's bookkeeping (and a sleep's rollback) can
+// treat a failed call as one that changed nothing.
+bool unmap_and_release(int device, size_t size, uint64_t address, Allocation* allocation) {
+  if (!succeeded(bind_device(device)) || !succeeded(unmap_physical(address, size))) {
     return false;
   }
-  if (!map_fresh_memory(device, address, size, handle)) {
-    if (kReleaseAddressOnSleep) {
-      free_address(address, size);
+  if (!succeeded(release_physical(allocation->physical))) {
+    const std::string release_error = t_last_error;
+    // Same physical memory, same address: nothing was lost yet.
+    if (succeeded(map_physical(address, size, allocation->physical))) {
+      grant_read_write(address, size, device);
     }
+    t_last_error = release_error;
     return false;
+  }
+  if (kPlaceholderWhileAsleep) {
+    hold_with_placeholder(device, address, size, allocation);
   }
   return true;
 }
 
-bool unmap_and_release(int device, size_t size, uint64_t address, PhysicalHandle* handle) {
-  if (!succeeded(bind_device(device))) {
-    return false;
-  }
-  if (!succeeded(unmap_physical(address, size))) {
-    return false;
-  }
-  if (!succeeded(release_physical(*handle))) {
-    return false;
-  }
-  return !kReleaseAddressOnSleep || succeeded(free_address(address, size));
-}
-
 // Tells Python about a new allocation; false (with the error recorded) if the
 // callback is missing or raised.
-bool announce_allocation(int device, size_t size, uint64_t address, PhysicalHandle* handle) {
+bool announce_allocation(int device, size_t size, uint64_t address, Allocation* allocation) {
   GilHold gil;
   if (g_on_malloc == nullptr) {
-    t_last_error = "my_malloc failed: register_callbacks() was never called";
+    t_last_error = "register_callbacks() was never called";
     return false;
   }
   PyRef result(PyObject_CallFunction(g_on_malloc, "iKKK", device,
                                      static_cast<unsigned long long>(size),
                                      static_cast<unsigned long long>(address),
                                      static_cast<unsigned long long>(
-                                         reinterpret_cast<uintptr_t>(handle))));
+                                         reinterpret_cast<uintptr_t>(allocation))));
   if (result.get() == nullptr) {
-    t_last_error = "my_malloc failed: the Python malloc callback raised";
+    t_last_error = "the Python malloc callback raised";
     PyErr_WriteUnraisable(g_on_malloc);
     return false;
   }
@@ -168,19 +216,19 @@ bool announce_allocation(int device, size_t size, uint64_t address, PhysicalHand
 
 struct ReleaseOrder {
   size_t size = 0;
-  PhysicalHandle* handle = nullptr;
+  Allocation* allocation = nullptr;
   bool mapped = false;
 };
 
 // Asks Python to forget an allocation. Python answers (size, handle, mapped).
 bool withdraw_allocation(uint64_t address, ReleaseOrder* order) {
   if (!interpreter_alive()) {
-    t_last_error = "my_free skipped: the Python interpreter is shutting down";
+    t_last_error = "skipped: the Python interpreter is shutting down";
     return false;
   }
   GilHold gil;
   if (g_on_free == nullptr) {
-    t_last_error = "my_free failed: register_callbacks() was never called";
+    t_last_error = "register_callbacks() was never called";
     return false;
   }
   PyRef result(PyObject_CallFunction(g_on_free, "K", static_cast<unsigned long long>(address)));
@@ -189,18 +237,50 @@ bool withdraw_allocation(uint64_t address, ReleaseOrder* order) {
   int mapped = 0;
   if (result.get() == nullptr ||
       !PyArg_ParseTuple(result.get(), "KKp", &size, &handle, &mapped)) {
-    t_last_error = "my_free failed: the Python free callback raised or answered badly";
+    t_last_error = "the Python free callback raised or answered badly";
     PyErr_WriteUnraisable(g_on_free);
     return false;
   }
   order->size = static_cast<size_t>(size);
-  order->handle = reinterpret_cast<PhysicalHandle*>(static_cast<uintptr_t>(handle));
+  order->allocation = reinterpret_cast<Allocation*>(static_cast<uintptr_t>(handle));
   order->mapped = mapped != 0;
   return true;
 }
 
-void report_free_failure() {
-  std::fprintf(stderr, "[vllm_graph_sleep] %s\n", t_last_error.c_str());
+// Reserves, maps and announces a new allocation; false with the error recorded.
+bool allocate(ssize_t size, int device, uint64_t* address) {
+  if (size <= 0) {
+    t_last_error = "size must be positive";
+    return false;
+  }
+  size_t granularity = 0;
+  if (!succeeded(bind_device(device)) ||
+      !succeeded(allocation_granularity(device, &granularity))) {
+    return false;
+  }
+  const size_t aligned = (static_cast<size_t>(size) + granularity - 1) / granularity * granularity;
+  if (!succeeded(reserve_address(address, aligned, granularity, 0))) {
+    return false;
+  }
+  auto* allocation = new (std::nothrow) Allocation{};
+  if (allocation == nullptr) {
+    t_last_error = "out of host memory for the allocation record";
+    free_address(*address, aligned);
+    return false;
+  }
+  if (!map_fresh_memory(device, *address, aligned, &allocation->physical)) {
+    delete allocation;
+    free_address(*address, aligned);
+    return false;
+  }
+  if (!announce_allocation(device, aligned, *address, allocation)) {
+    unmap_physical(*address, aligned);
+    release_physical(allocation->physical);
+    delete allocation;
+    free_address(*address, aligned);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -213,36 +293,14 @@ using namespace graph_sleep;
 // ---------------------------------------------------------------------------
 
 GRAPH_SLEEP_EXPORT void* my_malloc(ssize_t size, int device, StreamHandle /*stream*/) {
-  if (size <= 0) {
-    t_last_error = "my_malloc failed: size must be positive";
-    return nullptr;
-  }
-  size_t granularity = 0;
-  if (!succeeded(bind_device(device)) ||
-      !succeeded(allocation_granularity(device, &granularity))) {
-    return nullptr;
-  }
-  const size_t aligned = (static_cast<size_t>(size) + granularity - 1) / granularity * granularity;
   uint64_t address = 0;
-  if (!succeeded(reserve_address(&address, aligned, granularity, 0))) {
-    return nullptr;
-  }
-  auto* handle = new (std::nothrow) PhysicalHandle{};
-  if (handle == nullptr) {
-    t_last_error = "my_malloc failed: out of host memory for the handle";
-    free_address(address, aligned);
-    return nullptr;
-  }
-  if (!map_fresh_memory(device, address, aligned, handle)) {
-    delete handle;
-    free_address(address, aligned);
-    return nullptr;
-  }
-  if (!announce_allocation(device, aligned, address, handle)) {
-    unmap_physical(address, aligned);
-    release_physical(*handle);
-    delete handle;
-    free_address(address, aligned);
+  if (!allocate(size, device, &address)) {
+    // Torch reports only a generic "out of memory" for nullptr: the driver's
+    // reason reaches the log here, once per failed call.
+    char context[96];
+    std::snprintf(context, sizeof(context), "my_malloc of %zd bytes on device %d failed", size,
+                  device);
+    report(context);
     return nullptr;
   }
   return reinterpret_cast<void*>(address);
@@ -253,22 +311,23 @@ GRAPH_SLEEP_EXPORT void my_free(void* ptr, ssize_t /*size*/, int device, StreamH
   ReleaseOrder order;
   if (!withdraw_allocation(address, &order)) {
     // Leak rather than unmap memory that Python may still account for.
-    report_free_failure();
+    report("my_free");
     return;
   }
-  if (order.mapped) {
-    if (!succeeded(bind_device(device)) || !succeeded(unmap_physical(address, order.size)) ||
-        !succeeded(release_physical(*order.handle))) {
-      report_free_failure();
+  if (!succeeded(bind_device(device))) {
+    report("my_free");
+  } else {
+    if (order.mapped && (!succeeded(unmap_physical(address, order.size)) ||
+                         !succeeded(release_physical(order.allocation->physical)))) {
+      report("my_free");
+    }
+    // Asleep, the range is held by its placeholder on ROCm, or by nothing if
+    // the placeholder was lost.
+    if (order.allocation->range_held && !succeeded(free_address(address, order.size))) {
+      report("my_free");
     }
   }
-  // On ROCm a sleeping allocation already gave its range back.
-  if (order.mapped || !kReleaseAddressOnSleep) {
-    if (!succeeded(free_address(address, order.size))) {
-      report_free_failure();
-    }
-  }
-  delete order.handle;
+  delete order.allocation;
 }
 
 // ---------------------------------------------------------------------------
@@ -313,7 +372,7 @@ PyObject* py_create_and_map(PyObject* /*self*/, PyObject* args) {
   bool ok = false;
   Py_BEGIN_ALLOW_THREADS
   ok = create_and_map(device, size, address,
-                      reinterpret_cast<PhysicalHandle*>(static_cast<uintptr_t>(handle)));
+                      reinterpret_cast<Allocation*>(static_cast<uintptr_t>(handle)));
   Py_END_ALLOW_THREADS
   if (!ok) {
     return raise_last_error();
@@ -330,7 +389,7 @@ PyObject* py_unmap_and_release(PyObject* /*self*/, PyObject* args) {
   bool ok = false;
   Py_BEGIN_ALLOW_THREADS
   ok = unmap_and_release(device, size, address,
-                         reinterpret_cast<PhysicalHandle*>(static_cast<uintptr_t>(handle)));
+                         reinterpret_cast<Allocation*>(static_cast<uintptr_t>(handle)));
   Py_END_ALLOW_THREADS
   if (!ok) {
     return raise_last_error();
@@ -351,7 +410,7 @@ PyMethodDef kMethods[] = {
     {"unmap_and_release", py_unmap_and_release, METH_VARARGS,
      "unmap_and_release(device, size, address, handle): give the physical memory back."},
     {"last_error", py_last_error, METH_NOARGS,
-     "The last failure recorded on this thread (my_malloc reports only through here)."},
+     "The last failure recorded on this thread (my_malloc's too, which also goes to stderr)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -360,4 +419,14 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cumem", "vllm-graph-sleep VMM al
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__cumem(void) { return PyModule_Create(&kModule); }
+// `platform` names the API this binary was built for ("cuda" or "rocm"): the
+// allocator's ROCm behaviour follows the build, which a test build can choose
+// apart from torch's (CMakeLists.txt, GRAPH_SLEEP_TARGET=rocm-on-cuda).
+PyMODINIT_FUNC PyInit__cumem(void) {
+  PyObject* module = PyModule_Create(&kModule);
+  if (module != nullptr && PyModule_AddStringConstant(module, "platform", kPlatform) != 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
+}

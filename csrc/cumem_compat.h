@@ -27,16 +27,20 @@ using DriverStatus = hipError_t;
 using PhysicalHandle = hipMemGenericAllocationHandle_t;
 using StreamHandle = hipStream_t;
 constexpr DriverStatus kDriverOk = hipSuccess;
-// ROCm keeps physical VRAM charged to a process while its VA reservation lives
-// (vllm-project/vllm#37533), so sleep frees the reservation as well and wake
-// re-reserves the same address.
-constexpr bool kReleaseAddressOnSleep = true;
+constexpr const char* kPlatform = "rocm";
+// ROCm keeps physical VRAM charged to a process while the reservation it was
+// mapped under lives (vllm-project/vllm#37533), so sleep frees that reservation
+// and at once reserves the same range again, empty: a placeholder that gives the
+// VRAM back and keeps the address for wake (vllm-project/vllm#46203).
+constexpr bool kPlaceholderWhileAsleep = true;
 #else
 using DriverStatus = CUresult;
 using PhysicalHandle = CUmemGenericAllocationHandle;
 using StreamHandle = CUstream;
 constexpr DriverStatus kDriverOk = CUDA_SUCCESS;
-constexpr bool kReleaseAddressOnSleep = false;
+constexpr const char* kPlatform = "cuda";
+// CUDA returns physical memory on cuMemRelease; the reservation stays as it is.
+constexpr bool kPlaceholderWhileAsleep = false;
 #endif
 
 struct DriverResult {

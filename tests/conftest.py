@@ -1,7 +1,44 @@
-"""Skips tests marked `distributed(num_gpus=N)` on machines with fewer GPUs."""
+"""Skips tests marked `distributed(num_gpus=N)` on machines with fewer GPUs, and
+loads a chosen build of the allocator extension when GRAPH_SLEEP_TEST_EXTENSION
+names one (the ROCm path on CUDA: see tests/rocm_shim/)."""
+
+import ctypes
+import importlib.util
+import os
+import sys
 
 import pytest
 import torch
+
+#: Path of a built `_cumem*.so` to use instead of the installed one.
+EXTENSION_ENV = "GRAPH_SLEEP_TEST_EXTENSION"
+
+
+def _load_chosen_extension(path: str) -> None:
+    """Imports `path` as vllm_graph_sleep._cumem, so that VmmDriver (which
+    imports that name) and torch's pluggable allocator (which opens its
+    __file__) both use it. Fresh-process tests load it again in the child."""
+    if torch.version.hip is None:  # CUDA-driver builds leave cu* to the loaded libcuda
+        ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    spec = importlib.util.spec_from_file_location("vllm_graph_sleep._cumem", path)
+    if spec is None:
+        raise pytest.UsageError(f"{EXTENSION_ENV}={path!r} is not a loadable extension")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["vllm_graph_sleep._cumem"] = module
+
+
+def pytest_configure(config):
+    path = os.environ.get(EXTENSION_ENV)
+    if path:
+        _load_chosen_extension(path)
+
+
+def pytest_report_header(config):
+    extension = sys.modules.get("vllm_graph_sleep._cumem")
+    if extension is not None:
+        return f"allocator extension: {extension.__file__} (platform {extension.platform})"
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -715,8 +715,9 @@ def render(results_dir: Path) -> dict[str, str]:
     else:
         lines.append(
             "**ROCm is untested on hardware.** None of these results ran on an AMD GPU: the "
-            "ROCm build is compiled and linked in CI and its logic is tested on CPU with fakes, "
-            "nothing more."
+            "ROCm build is compiled and linked in CI, its logic is tested on CPU with fakes, and "
+            "its allocator code path runs on an NVIDIA GPU only through a HIP-on-CUDA test "
+            "build, which does not exercise AMD's driver."
         )
     lines += ["", "## Contents", ""]
     for section in sections:

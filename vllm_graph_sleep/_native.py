@@ -9,6 +9,7 @@ replace it with a faithful fake (tests/unit/fake_vmm.py).
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -86,6 +87,13 @@ class VmmDriver:
         torch._C._cuda_endAllocateToPool(device, pool.id)
         torch._C._cuda_releasePool(device, pool.id)
 
+    def release_cached_memory(self) -> None:
+        """Has torch hand back the free segments of every pool nobody holds any
+        more (a dropped MemPool, once no graph uses it) and of its default pool."""
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
     def device_bytes(self, device: int, address: int, size: int) -> torch.Tensor:
         return torch.as_tensor(_DeviceRange(address, size), device=torch.device("cuda", device))
 
@@ -96,4 +104,6 @@ class VmmDriver:
         torch.cuda.synchronize(device)
 
     def is_rocm(self) -> bool:
-        return torch.version.hip is not None
+        # The extension's build decides the ROCm behaviour (zero-on-wake), not
+        # torch: a test build runs the ROCm path on CUDA (tests/rocm_shim/).
+        return self._ext.platform == "rocm"

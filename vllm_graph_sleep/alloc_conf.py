@@ -5,18 +5,24 @@ frees nothing (pytorch/pytorch#147851, vllm-project/vllm#11743). Writing only
 "expandable_segments:False" to torch would reset the user's other allocator
 options, so we rewrite the user's whole setting with just that option flipped,
 and put the original string back afterwards. Nothing is written when the user
-did not turn expandable segments on.
+did not turn expandable segments on. The setting is process-wide, so nested
+and concurrent uses count: only the last one out puts the user's string back
+(an inner pool must not turn expandable segments on while an outer one, or a
+graph capture, still allocates).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 _KEY = "expandable_segments"
+_lock = threading.Lock()
+_holders = 0  # open expandable_segments_off() contexts that changed the setting
 
 
 def user_alloc_conf() -> str:
@@ -61,12 +67,19 @@ def with_expandable_segments_off(conf: str) -> str:
 
 @contextmanager
 def expandable_segments_off() -> Iterator[None]:
+    global _holders
     conf = user_alloc_conf()
     if not expandable_segments_enabled(conf):
         yield
         return
-    torch.cuda.memory._set_allocator_settings(with_expandable_segments_off(conf))
+    with _lock:
+        if _holders == 0:
+            torch.cuda.memory._set_allocator_settings(with_expandable_segments_off(conf))
+        _holders += 1
     try:
         yield
     finally:
-        torch.cuda.memory._set_allocator_settings(conf)
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                torch.cuda.memory._set_allocator_settings(conf)

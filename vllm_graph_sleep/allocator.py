@@ -14,6 +14,15 @@ Rules it keeps:
   "weights" and "kv_cache" may stay asleep), graph pool first;
 - a wake that fails part-way unmaps what it mapped, keeps every host backup and
   raises: the allocator stays asleep and the wake can be retried;
+- a sleep that fails while backing up, or while releasing memory it backed up,
+  puts back what it released and raises `SleepError`: the allocator stays
+  awake, nothing lost. Once it releases memory without a backup it cannot go
+  back, so it finishes: what it could not release stays mapped (wake skips it),
+  and it logs the failure;
+- a pool is dropped when its `use_memory_pool` context exits, so torch hands
+  back fully free segments (dead memory after online quantization or weight
+  repacking is not kept, nor backed up at sleep); sleep first releases what
+  such pools freed since. Only the graph pool lives as long as the engine;
 - on ROCm, memory that comes back without a backup is zeroed and the device
   synchronized before wake returns (amdgpu can hand back stale VRAM,
   vllm-project/vllm#44972); CUDA does not zero unless asked to.
@@ -54,6 +63,10 @@ RELEASE_HOST_MEMORY_ENV = "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"
 
 class WakeUpError(RuntimeError):
     """A wake that could not get its memory back; nothing was woken."""
+
+
+class SleepError(RuntimeError):
+    """A sleep that could not back up or release its memory; nothing was released."""
 
 
 @dataclasses.dataclass
@@ -117,8 +130,9 @@ class GraphSleepAllocator:
         self.allocations: dict[int, Allocation] = {}
         self.current_tag = DEFAULT_TAG
         self._known_tags: set[str] = set(BUILTIN_TAGS)
-        # MemPools stay referenced for the life of the process: dropping one
-        # while its blocks are cached would hand them back mid-run.
+        # Pools of open use_memory_pool contexts. A pool is dropped when its
+        # context exits; torch then releases its free segments through my_free
+        # (the pluggable allocator the pools were built on stays alive).
         self._pools: list[torch.cuda.MemPool] = []
         self._graph_pool: torch.cuda.MemPool | None = None
         self._routing = threading.local()  # per thread: stack of pools routed to
@@ -161,12 +175,21 @@ class GraphSleepAllocator:
 
     @contextmanager
     def use_memory_pool(self, tag: str | None = None) -> Iterator[torch.cuda.MemPool]:
-        """Allocations made inside come from a new pool of ours, tagged `tag`."""
+        """Allocations made inside come from a new pool of ours, tagged `tag`.
+
+        On exit the pool is dropped: its fully free segments go back to the
+        driver now, the rest when their tensors die (vLLM 0.26's own
+        use_memory_pool trims the same way, by hand)."""
         with self.allocation_tag(tag or DEFAULT_TAG), expandable_segments_off():
             pool = self._driver.memory_pool()
             self._pools.append(pool)
-            with self._routed_to(pool):
-                yield pool
+            try:
+                with self._routed_to(pool):
+                    yield pool
+            finally:
+                self._pools.remove(pool)
+                del pool
+                self._driver.release_cached_memory()
 
     @contextmanager
     def _routed_to(self, pool: torch.cuda.MemPool) -> Iterator[None]:
@@ -200,6 +223,36 @@ class GraphSleepAllocator:
                 self._graph_pool = self._driver.memory_pool()
             yield self._graph_pool
 
+    def release_pools(self) -> None:
+        """Engine shutdown: drops the graph pool (a next engine in this process
+        gets a new one) and has torch hand back every free segment of ours.
+        Allocations still alive afterwards belong to tensors someone holds."""
+        self._graph_pool = None
+        self._driver.release_cached_memory()
+        if self.allocations:
+            logger.info(
+                "graph-sleep: %s still allocated after shutdown (%s)",
+                format_bytes(self.get_current_usage()),
+                _describe(self._bytes_by_tag()),
+            )
+
+    def _bytes_by_tag(self) -> dict[str, int]:
+        per_tag: dict[str, int] = {}
+        for allocation in self.allocations.values():
+            _add(per_tag, allocation.tag, allocation.size)
+        return per_tag
+
+    @contextmanager
+    def graph_pool_for_this_thread(self) -> Iterator[torch.cuda.MemPool]:
+        """The graph pool, with every allocation of this thread routed to it too.
+
+        For captures made inside another pool's context (the Gemma4 drafter
+        captures during load_model): torch serves a capture from the pool
+        routed first, so the graph's memory would land in that pool, which is
+        dropped and trimmed when its context exits, under a live graph."""
+        with self.cudagraph_pool() as pool, self._routed_to(pool):
+            yield pool
+
     # -- queries -----------------------------------------------------------
 
     def get_current_usage(self) -> int:
@@ -227,7 +280,7 @@ class GraphSleepAllocator:
         return usage
 
     def pool_ids(self) -> set[tuple[int, int]]:
-        """Ids of every torch memory pool of ours (graph pool included)."""
+        """Ids of our open torch memory pools (graph pool included)."""
         pools = [*self._pools, *([self._graph_pool] if self._graph_pool is not None else [])]
         return {tuple(pool.id) for pool in pools}
 
@@ -247,44 +300,115 @@ class GraphSleepAllocator:
         return checked
 
     def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
-        """Backs up `offload_tags` (default: "default") to host, drops the rest."""
+        """Backs up `offload_tags` (default: "default") to host, drops the rest.
+
+        Transactional up to the first drop: a failure while backing up, or while
+        releasing memory that has a backup, maps back what was released and
+        raises `SleepError` with the allocator awake and nothing lost. Memory
+        without a backup is released last; once one such allocation is gone
+        the sleep finishes, leaving mapped (and logged) what it cannot release."""
         if offload_tags is None:
             offload_tags = (DEFAULT_TAG,)
         offload = self._normalize(offload_tags, "sleep")
         start = time.perf_counter()
-        self._claim_graph_pool()
+        self.claim_graph_pool()
+        # Segments that dropped pools freed since: nothing to back up there.
+        self._driver.release_cached_memory()
         awake = [allocation for allocation in self.allocations.values() if allocation.mapped]
-        devices = {allocation.device for allocation in awake}
-        for device in devices:
-            self._driver.synchronize(device)
+        to_back_up = [allocation for allocation in awake if allocation.tag in offload]
+        to_drop = [allocation for allocation in awake if allocation.tag not in offload]
+        try:
+            self._back_up(to_back_up)
+        except Exception as error:
+            for allocation in to_back_up:
+                allocation.has_backup = False
+            raise SleepError(
+                f"sleep failed while backing up {len(to_back_up)} allocations "
+                f"({format_bytes(sum(a.size for a in to_back_up))}) to host memory: {error}. "
+                "Nothing was released; the engine is awake."
+            ) from error
+
+        released: list[Allocation] = []
+        try:
+            for allocation in to_back_up:
+                self._driver.unmap_and_release(*self._handle(allocation))
+                allocation.mapped = False
+                released.append(allocation)
+        except Exception as error:
+            self._restore_after_failed_sleep(released, to_back_up)
+            raise SleepError(
+                f"sleep failed after releasing {len(released)} of {len(to_back_up)} backed-up "
+                f"allocations: {error}. They were mapped back from their host copies; "
+                "the engine is awake."
+            ) from error
 
         kept: dict[str, int] = {}
         dropped: dict[str, int] = {}
-        to_back_up = [allocation for allocation in awake if allocation.tag in offload]
-        for allocation in to_back_up:
-            if allocation.host is None:
-                allocation.host = self._driver.host_buffer(allocation.size)
-            allocation.host.copy_(self._device_bytes(allocation), non_blocking=True)
-        for device in devices:
-            self._driver.synchronize(device)
-        for allocation in to_back_up:
-            allocation.has_backup = True
-
-        for allocation in awake:
-            self._driver.unmap_and_release(*self._handle(allocation))
+        still_mapped: dict[str, int] = {}
+        failures: list[str] = []
+        for allocation in released:
+            _add(kept, allocation.tag, allocation.size)
+        for allocation in to_drop:
+            try:
+                self._driver.unmap_and_release(*self._handle(allocation))
+            except Exception as error:
+                _add(still_mapped, allocation.tag, allocation.size)
+                failures.append(f"{allocation.address:#x}: {error}")
+                continue
             allocation.mapped = False
-            if allocation.has_backup:
-                _add(kept, allocation.tag, allocation.size)
-            else:
-                allocation.host = None
-                _add(dropped, allocation.tag, allocation.size)
-
+            allocation.host = None
+            allocation.has_backup = False
+            _add(dropped, allocation.tag, allocation.size)
+        if failures:
+            logger.error(
+                "graph-sleep sleep: could not release %s (they stay mapped and keep their "
+                "contents; wake skips them): %s",
+                _describe(still_mapped),
+                "; ".join(failures),
+            )
         logger.info(
             "graph-sleep sleep: backed up %s; dropped %s; %.3f s",
             _describe(kept),
             _describe(dropped),
             time.perf_counter() - start,
         )
+
+    def _back_up(self, allocations: list[Allocation]) -> None:
+        """Copies `allocations` to pinned host buffers and waits for the copies."""
+        for device in {allocation.device for allocation in allocations}:
+            self._driver.synchronize(device)
+        for allocation in allocations:
+            if allocation.host is None:
+                allocation.host = self._driver.host_buffer(allocation.size)
+            allocation.host.copy_(self._device_bytes(allocation), non_blocking=True)
+        for device in {allocation.device for allocation in allocations}:
+            self._driver.synchronize(device)
+        for allocation in allocations:
+            allocation.has_backup = True
+
+    def _restore_after_failed_sleep(
+        self, released: list[Allocation], backed_up: list[Allocation]
+    ) -> None:
+        """Maps `released` back from their host copies; every backup is then
+        marked stale (the allocator is awake and writes will follow)."""
+        restored: list[Allocation] = []
+        for allocation in released:
+            try:
+                self._driver.create_and_map(*self._handle(allocation))
+            except Exception:
+                logger.exception(
+                    "graph-sleep: could not map %#x (%s) back after a failed sleep; it stays "
+                    "asleep with its host copy",
+                    allocation.address,
+                    format_bytes(allocation.size),
+                )
+                continue
+            allocation.mapped = True
+            restored.append(allocation)
+        self._fill(restored)
+        for allocation in backed_up:
+            if allocation.mapped:
+                allocation.has_backup = False
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Maps back the sleeping allocations of `tags` (None: all) and of every
@@ -365,7 +489,7 @@ class GraphSleepAllocator:
             self._driver.synchronize(device)
         return restored, fresh
 
-    def _claim_graph_pool(self) -> None:
+    def claim_graph_pool(self) -> None:
         """Tags everything in the graph pool "cudagraph", whatever tag was current
         when it was allocated (a capture outside `cudagraph_pool()`, e.g. a lazy
         one, still used this pool through the platform's global graph pool)."""

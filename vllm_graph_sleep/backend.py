@@ -31,16 +31,21 @@ class GraphSleepBackend(SleepModeBackend):
         self._allocator = GraphSleepAllocator.get_instance()
 
     def suspend(self, level: int = 1) -> None:
+        # Claim first: graph memory made under another tag (a lazy capture) must
+        # count as "cudagraph" when the tags to back up are chosen.
+        self._allocator.claim_graph_pool()
         tags = {allocation.tag for allocation in self._allocator.allocations.values()}
         offload = offload_tags_for(level, tags)
-        self._state = "SUSPENDED"
         self._allocator.sleep(offload_tags=offload)
+        self._state = "SUSPENDED"
 
     def resume(self, tags: list[str] | None = None) -> None:
         self._state = "RESUMING"
-        self._allocator.wake_up(tags)
-        asleep = self._allocator.get_current_usage() - self._allocator.mapped_bytes()
-        self._state = "RUNNING" if asleep == 0 else "SUSPENDED"
+        try:
+            self._allocator.wake_up(tags)
+        finally:
+            asleep = self._allocator.get_current_usage() - self._allocator.mapped_bytes()
+            self._state = "RUNNING" if asleep == 0 else "SUSPENDED"
 
     @classmethod
     def preserves_communicators(cls) -> bool:

@@ -4,10 +4,12 @@ host without NVLink multicast."""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 logger = logging.getLogger("vllm.graph_sleep")
@@ -18,6 +20,11 @@ NCCL_GRAPH_REGISTER = "NCCL_GRAPH_REGISTER"
 FLASHINFER_ALLREDUCE_BACKEND = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 
 _active_in_this_process = False
+# Set while vLLM measures memory with throwaway allocations (V1's graph-memory
+# profiling): those must use the memory stock vLLM would use, not our pools.
+_outside_pools: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "graph_sleep_outside_pools", default=False
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +114,31 @@ def mark_active() -> None:
     _active_in_this_process = True
 
 
+def mark_inactive() -> None:
+    """The engine of this process shut down: a later engine decides afresh."""
+    global _active_in_this_process
+    _active_in_this_process = False
+
+
 def is_active() -> bool:
     """True in a worker process where graph offload was switched on."""
     return _active_in_this_process
+
+
+def routes_to_pools() -> bool:
+    """True where allocations and captures go to our pools: graph offload is
+    active and vLLM is not profiling with throwaway memory."""
+    return _active_in_this_process and not _outside_pools.get()
+
+
+@contextmanager
+def outside_pools() -> Iterator[None]:
+    """Allocations and graph captures inside use vLLM's stock memory."""
+    token = _outside_pools.set(True)
+    try:
+        yield
+    finally:
+        _outside_pools.reset(token)
 
 
 def multicast_free_all_reduce_backend(environ: MutableMapping[str, str]) -> str | None:

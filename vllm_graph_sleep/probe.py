@@ -33,7 +33,9 @@ def memory_report(worker: Any) -> dict[str, Any]:
             torch.cuda.memory_snapshot(), sleep_allocator_addresses()
         ),
     }
-    if GraphSleepAllocator._instance is not None:
+    # The allocator that serves this engine: an earlier engine of this process
+    # may have left ours behind with the flag off now.
+    if config.is_active() and GraphSleepAllocator._instance is not None:
         allocator = GraphSleepAllocator._instance
         report["allocator"] = "vllm_graph_sleep"
         report["tags"] = allocator.usage_by_tag()

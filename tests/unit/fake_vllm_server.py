@@ -1,6 +1,6 @@
 """A stand-in for `vllm serve` in dev mode, for the bench's CPU tests (stdlib only).
 
-    python fake_vllm_server.py --port P --config NAME --used-file PATH
+    python fake_vllm_server.py --port P --config NAME --used-file PATH [--pressure-file PATH]
 
 It answers what the bench calls: /health, /v1/models, /v1/completions (greedy,
 with token ids), /sleep, /wake_up, /is_sleeping, /collective_rpc
@@ -14,6 +14,13 @@ wrong, as they would on a real server. Environment switches for failure tests:
 FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_DIE_ON_SLEEP=1 (the
 process exits on the first /sleep), FAKE_START_DELAY=S (seconds before /health
 answers), FAKE_ENGINE_FAILS=1 (logs vLLM's engine start-up failure, then hangs).
+
+With --pressure-file, the bytes written in that file are held by another process
+(tests/unit/fake_gpu_hog.py) on a GPU of TOTAL bytes: a wake whose memory does
+not fit in what is left answers 500 and changes nothing, as vLLM 0.26 answers a
+wake whose worker raised (the reason is only in the log) and as our allocator
+rolls a failed wake back; FAKE_NO_ROLLBACK=1 leaves the first tag of such a wake
+mapped instead (a half-done wake, what the allocator must never do).
 """
 
 from __future__ import annotations
@@ -23,21 +30,24 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 MiB = 2**20
+TOTAL = 140 * 1024 * MiB  # the fake GPU's memory
 IDLE = 500 * MiB  # what the fake NVML reports with no server (tests read the same)
 CONTEXT = 400 * MiB
 SIZES = {"weights": 200 * MiB, "kv_cache": 2000 * MiB, "cudagraph": 500 * MiB}
 
 
 class State:
-    def __init__(self, config: str, used_file: Path):
+    def __init__(self, config: str, used_file: Path, pressure_file: Path | None = None):
         self.config = config
         self.used_file = used_file
+        self.pressure_file = pressure_file
         self.graphs = 0 if config == "stock_eager" else SIZES["cudagraph"]
         self.mapped = {"weights": True, "kv_cache": True}
         self.weights_valid = True
@@ -57,6 +67,20 @@ class State:
         if self.graph_resident():
             total += self.graphs
         return total
+
+    def held_by_others(self) -> int:
+        if self.pressure_file is None:
+            return 0
+        try:
+            return int(self.pressure_file.read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def wake_need(self, tags: list[str]) -> int:
+        """Bytes a wake of `tags` maps: the tags still asleep, and our graph pool
+        when it is offloaded (any wake restores it)."""
+        need = sum(SIZES[tag] for tag in tags if not self.mapped.get(tag, True))
+        return need if self.graph_resident() else need + self.graphs
 
     def write(self) -> None:
         tmp = self.used_file.with_suffix(".tmp")
@@ -78,8 +102,8 @@ class State:
                 tags[tag] = {"mapped": size if on else 0, "asleep": 0 if on else size}
         report = {
             "graph_offload_active": self.config == "ours",
-            "driver_free_bytes": 140 * 1024 * MiB - self.used(),
-            "driver_total_bytes": 140 * 1024 * MiB,
+            "driver_free_bytes": TOTAL - self.used() - self.held_by_others(),
+            "driver_total_bytes": TOTAL,
             "tags": tags,
             "allocator": "vllm",
         }
@@ -105,16 +129,27 @@ class State:
 class Handler(BaseHTTPRequestHandler):
     state: State
     ready_at: float
+    lock = threading.Lock()
 
     def log_message(self, fmt, *args):  # into the log file, like a server
         sys.stdout.write("fake-vllm: " + (fmt % args) + "\n")
         sys.stdout.flush()
 
-    def _send(self, code: int, body: object = None) -> None:
+    def _send(self, code: int, body: object = None, headers: dict | None = None) -> None:
         raw = b"" if body is None else json.dumps(body).encode()
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if body is not None:
             self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _send_text(self, code: int, text: str) -> None:
+        raw = text.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(raw)))
         self.end_headers()
         self.wfile.write(raw)
@@ -135,13 +170,18 @@ class Handler(BaseHTTPRequestHandler):
             self._send(404, {"error": path})
 
     def do_POST(self):  # noqa: N802
+        # One state change at a time (the HTTP server runs a thread per request).
+        with Handler.lock:
+            self._post()
+
+    def _post(self):
         url = urllib.parse.urlparse(self.path)
         query = urllib.parse.parse_qs(url.query)
         state = self.state
         if url.path == "/v1/completions":
             body = self._body()
             if not all(state.mapped.values()):
-                self._send(503, {"error": "asleep"})
+                self._send(503, {"error": "asleep"}, {"Retry-After": "1"})
                 return
             assert body.get("return_token_ids") is True and body.get("temperature") == 0
             prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
@@ -168,8 +208,24 @@ class Handler(BaseHTTPRequestHandler):
             state.write()
             self._send(200)
         elif url.path == "/wake_up":
-            for tag in query.get("tags") or list(state.mapped):
-                state.mapped[tag] = True
+            tags = query.get("tags") or list(state.mapped)
+            need = state.wake_need(tags)
+            free = TOTAL - state.used() - state.held_by_others()
+            if need > free:
+                # vLLM logs the worker's exception; the client sees a bare 500.
+                sys.stdout.write(
+                    f"fake-vllm: ERROR wake_up failed\nRuntimeError: fake out of memory: "
+                    f"wake_up(tags={tags}) needs {need} bytes, {free} free\n"
+                )
+                sys.stdout.flush()
+                if os.environ.get("FAKE_NO_ROLLBACK") == "1":
+                    state.mapped[tags[0]] = True
+                    state.write()
+                self._send_text(500, "Internal Server Error")
+                return
+            for tag in tags:
+                if tag in state.mapped:  # "scheduling" ends a level-0 pause: nothing here
+                    state.mapped[tag] = True
             state.woken_once = True
             time.sleep(0.01)
             state.write()
@@ -192,9 +248,10 @@ def main() -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--used-file", type=Path, required=True)
+    parser.add_argument("--pressure-file", type=Path)
     args = parser.parse_args()
     print(f"fake-vllm: serving {args.config} on {args.port}", flush=True)
-    Handler.state = State(args.config, args.used_file)
+    Handler.state = State(args.config, args.used_file, args.pressure_file)
     if os.environ.get("FAKE_ENGINE_FAILS"):
         # vLLM's engine core dying at start-up while the API server hangs on.
         print("(EngineCore pid=1) ERROR [core.py:1330] EngineCore failed to start.", flush=True)

@@ -6,9 +6,17 @@ already mapped range or unmapping an unmapped one is a driver error, touching
 unmapped memory is an illegal address, and freshly mapped memory holds stale
 bytes (not zeros) unless something writes it. `malloc`/`free` play the role of
 my_malloc/my_free in csrc/cumem_allocator.cpp, calling the same callbacks.
+
+Pools follow torch 2.11's caching allocator where the manager relies on it: a
+segment whose tensor died stays cached in its pool; once nobody holds the pool
+(the MemPool object is gone) its free segments go back through my_free, at once
+and at every later empty_cache (`release_cached_memory`). Failures of the
+driver calls can be injected (`fail`), one call at a time.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -17,14 +25,23 @@ PAGE = 2 << 20
 
 
 class FakePool:
-    """Stands in for torch.cuda.MemPool: segments are what tests put there."""
+    """Stands in for torch.cuda.MemPool: the segments torch put there."""
 
-    def __init__(self):
+    def __init__(self, driver: FakeVmmDriver):
         self.id = (0, id(self))
         self.segments: list[int] = []
+        self._driver = driver
+        # What ~MemPool does: the pool becomes freeable and its free segments go.
+        weakref.finalize(self, driver._pool_dropped, self.segments)
 
     def snapshot(self, include_traces: bool = True) -> list[dict]:
-        return [{"address": address, "allocated_size": 0} for address in self.segments]
+        return [
+            {
+                "address": address,
+                "allocated_size": 0 if address in self._driver.cached else PAGE,
+            }
+            for address in self.segments
+        ]
 
 
 class FakeVmmDriver:
@@ -37,10 +54,26 @@ class FakeVmmDriver:
         self.unmap_calls: list[int] = []
         self.sync_calls = 0
         self.routing: list[FakePool] = []  # pools allocations go to, as torch sees it
-        self.routing_log: list[tuple[str, FakePool]] = []
+        # Weak: a log must not keep a dropped pool alive.
+        self.routing_log: list[tuple[str, weakref.ref]] = []
         self._next_address = 0x7F0000000000
         self._on_malloc = None
         self._on_free = None
+        self.cached: set[int] = set()  # segments whose tensor died, still in their pool
+        self._freeable: list[list[int]] = []  # segment lists of dropped pools
+        self.failures: dict[str, int] = {}  # call -> how many calls succeed before it fails
+
+    def fail(self, call: str, after: int = 0) -> None:
+        """The (after+1)-th next call of `call` raises like the driver would."""
+        self.failures[call] = after
+
+    def _maybe_fail(self, call: str, message: str) -> None:
+        if call not in self.failures:
+            return
+        if self.failures[call] == 0:
+            del self.failures[call]
+            raise RuntimeError(message)
+        self.failures[call] -= 1
 
     # -- VmmDriver interface ---------------------------------------------
 
@@ -48,6 +81,7 @@ class FakeVmmDriver:
         self._on_malloc, self._on_free = on_malloc, on_free
 
     def create_and_map(self, device: int, size: int, address: int, handle: int) -> None:
+        self._maybe_fail("create_and_map", "cuMemCreate failed: out of memory")
         if address in self.memory:
             raise RuntimeError("cuMemMap failed: invalid argument (range already mapped)")
         if self.mapped_bytes() + self.occupied_elsewhere + size > self.capacity:
@@ -56,6 +90,7 @@ class FakeVmmDriver:
         self.map_calls.append(address)
 
     def unmap_and_release(self, device: int, size: int, address: int, handle: int) -> None:
+        self._maybe_fail("unmap_and_release", "cuMemUnmap failed: unspecified launch failure")
         if address not in self.memory:
             raise RuntimeError("cuMemUnmap failed: invalid argument (range not mapped)")
         del self.memory[address]
@@ -67,27 +102,44 @@ class FakeVmmDriver:
         return self.memory[address]
 
     def host_buffer(self, size: int) -> torch.Tensor:
+        self._maybe_fail("host_buffer", "CUDA error: out of memory (pinned host allocation)")
         return torch.empty(size, dtype=torch.uint8)
 
     def synchronize(self, device: int) -> None:
+        self._maybe_fail("synchronize", "CUDA error: an illegal memory access was encountered")
         self.sync_calls += 1
 
     def is_rocm(self) -> bool:
         return self.rocm
 
     def memory_pool(self) -> FakePool:
-        return FakePool()
+        return FakePool(self)
+
+    def release_cached_memory(self) -> None:
+        for segments in self._freeable:
+            self._release_free(segments)
+        self._freeable = [segments for segments in self._freeable if segments]
+
+    def _pool_dropped(self, segments: list[int]) -> None:
+        self._freeable.append(segments)
+        self._release_free(segments)
+
+    def _release_free(self, segments: list[int]) -> None:
+        for address in [a for a in segments if a in self.cached]:
+            segments.remove(address)
+            self.cached.discard(address)
+            self.free(address)
 
     def route(self, pool: FakePool) -> None:
         # With two pools routed torch may serve either; the manager must never ask.
         if self.routing:
             raise AssertionError(f"{pool.id} routed while {self.routing[0].id} still is")
         self.routing.append(pool)
-        self.routing_log.append(("route", pool))
+        self.routing_log.append(("route", weakref.ref(pool)))
 
     def unroute(self, pool: FakePool) -> None:
         self.routing.remove(pool)
-        self.routing_log.append(("unroute", pool))
+        self.routing_log.append(("unroute", weakref.ref(pool)))
 
     # -- what torch would do through my_malloc / my_free --------------------
 
@@ -106,6 +158,11 @@ class FakeVmmDriver:
         size, handle, mapped = self._on_free(address)
         if mapped:
             self.unmap_and_release(0, size, address, handle)
+
+    def tensor_dies(self, address: int) -> None:
+        """The only tensor in the segment at `address` was freed: torch keeps
+        the segment cached in its pool (released if the pool is freeable)."""
+        self.cached.add(address)
 
     # -- helpers for tests ---------------------------------------------------
 

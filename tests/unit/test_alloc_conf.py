@@ -54,3 +54,13 @@ def test_setting_is_restored_when_the_body_raises(monkeypatch, writes):
     with pytest.raises(KeyError), alloc_conf.expandable_segments_off():
         raise KeyError("boom")
     assert writes[-1] == "expandable_segments:True"
+
+
+def test_nested_pools_keep_expandable_segments_off_until_the_outermost_exits(monkeypatch, writes):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    off = "expandable_segments:False"
+    with alloc_conf.expandable_segments_off():
+        with alloc_conf.expandable_segments_off():
+            assert writes == [off]
+        assert writes == [off]  # the outer pool (or a capture) still allocates
+    assert writes == [off, "expandable_segments:True"]

@@ -133,7 +133,7 @@ def test_nested_pool_takes_over_routing_and_hands_it_back():
         "kv_cache",
         "runtime",
     ]
-    assert [(step, pool is outer) for step, pool in driver.routing_log] == [
+    assert [(step, pool() is outer) for step, pool in driver.routing_log] == [
         ("route", True),
         ("unroute", True),
         ("route", False),
@@ -300,3 +300,109 @@ def test_everything_in_the_graph_pool_is_claimed_as_graph_memory_at_sleep():
     assert manager.usage_by_tag()["cudagraph"]["backed_up"] == 2 * PAGE
     manager.wake_up(["kv_cache"])
     assert bool((driver.read(lazily_captured) == 6).all())
+
+
+def test_a_pool_hands_back_free_segments_when_its_context_exits():
+    driver, manager = make()
+    with manager.use_memory_pool("weights"):
+        kept = driver.malloc(PAGE)
+        driver.write(kept, 7)
+        scratch = driver.malloc(4 * PAGE)  # e.g. bf16 weights before online FP8 quantization
+        driver.tensor_dies(scratch)
+    assert scratch not in driver.memory and scratch not in manager.allocations
+    assert manager.mapped_bytes() == PAGE
+    assert manager.pool_ids() == set()
+
+    manager.sleep(offload_tags=("weights",))
+    assert manager.host_bytes() == PAGE  # only the live weights were copied
+    manager.wake_up()
+    assert bool((driver.read(kept) == 7).all())
+
+
+def test_memory_freed_after_the_context_is_released_before_sleep_backs_it_up():
+    driver, manager = make()
+    with manager.use_memory_pool("weights"):
+        repacked = driver.malloc(PAGE)
+        original = driver.malloc(2 * PAGE)
+    driver.tensor_dies(original)  # freed later, e.g. when MoE weights were repacked
+    assert original in manager.allocations  # cached by torch until an empty_cache
+    manager.sleep(offload_tags=("weights",))
+    assert original not in manager.allocations
+    assert manager.usage_by_tag()["weights"]["backed_up"] == PAGE
+    assert repacked in manager.allocations
+
+
+def test_inner_pool_exit_leaves_the_outer_pool_and_its_memory_alone():
+    driver, manager = make()
+    with manager.use_memory_pool("runtime") as outer:
+        state = driver.malloc(PAGE)
+        with manager.use_memory_pool("kv_cache"):
+            kv = driver.malloc(PAGE)
+        after = driver.malloc(PAGE)
+        assert manager.pool_ids() == {outer.id}
+    assert {state, kv, after} <= manager.allocations.keys()
+    assert driver.mapped_bytes() == 3 * PAGE
+
+
+def _state(manager):
+    return {a: (x.mapped, x.has_backup) for a, x in manager.allocations.items()}
+
+
+@pytest.mark.parametrize(
+    ("call", "after"),
+    [
+        ("synchronize", 0),  # before the copies
+        ("synchronize", 1),  # waiting for the copies
+        ("host_buffer", 0),
+        ("host_buffer", 1),  # the second backup
+        ("unmap_and_release", 0),  # first backed-up allocation
+        ("unmap_and_release", 1),  # second: the first is mapped back from host
+    ],
+)
+def test_a_sleep_that_fails_before_dropping_anything_leaves_the_engine_awake(setup, call, after):
+    from vllm_graph_sleep.allocator import SleepError
+
+    driver, manager, addresses = setup
+    awake = _state(manager)
+    driver.fail(call, after)
+    with pytest.raises(SleepError, match="the engine is awake"):
+        manager.sleep(offload_tags=("weights", "cudagraph"))
+    assert _state(manager) == awake
+    assert driver.mapped_bytes() == 14 * MIB
+    for tag, value in (("weights", 1), ("kv_cache", 2), ("cudagraph", 3)):
+        assert bool((driver.read(addresses[tag]) == value).all()), tag
+    # Nothing is left half done: the next sleep and wake work.
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+    manager.wake_up()
+    assert bool((driver.read(addresses["weights"]) == 1).all())
+
+
+def test_a_drop_that_fails_finishes_the_sleep_and_wake_restores_everything(setup, caplog):
+    driver, manager, addresses = setup
+    driver.fail("unmap_and_release", after=2)  # weights, cudagraph released; kv_cache fails
+    with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights", "cudagraph"))
+    assert "could not release kv_cache 8.00 MiB" in caplog.text
+    assert manager.mapped_bytes() == 8 * MIB  # the KV cache stayed mapped
+    manager.wake_up()
+    assert driver.mapped_bytes() == 14 * MIB
+    for tag, value in (("weights", 1), ("kv_cache", 2), ("cudagraph", 3)):
+        assert bool((driver.read(addresses[tag]) == value).all()), tag
+
+
+def test_graph_memory_made_under_a_dropped_tag_is_backed_up_by_the_backend(monkeypatch):
+    from vllm_graph_sleep.backend import GraphSleepBackend
+
+    driver, manager = make()
+    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    weights = allocate(driver, manager, "weights", value=1)
+    with manager.cudagraph_pool() as pool:
+        pass
+    lazily_captured = allocate(driver, manager, "kv_cache", value=6)  # only tag in its pool
+    pool.segments.append(lazily_captured)
+    backend = GraphSleepBackend()
+    backend.suspend(level=2)
+    assert manager.usage_by_tag()["cudagraph"]["backed_up"] == PAGE
+    backend.resume(["kv_cache"])
+    assert bool((driver.read(lazily_captured) == 6).all())
+    assert weights not in driver.memory and backend.state() == "SUSPENDED"

@@ -102,7 +102,18 @@ class FakeWorker:
 
 
 @pytest.fixture
-def worker_patch(monkeypatch):
+def fake_allocator(monkeypatch):
+    from tests.unit.fake_vmm import FakeVmmDriver
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    return driver, manager
+
+
+@pytest.fixture
+def worker_patch(monkeypatch, fake_allocator):
     monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
     monkeypatch.setattr(config, "_active_in_this_process", False)
     routed = []
@@ -132,6 +143,39 @@ def test_worker_touches_nothing_when_the_gate_is_off(worker_patch):
     assert worker.seen_nccl == "unset"
     assert not config.is_active() and routed == []
     assert not hasattr(worker.vllm_config.model_config, "sleep_mode_backend")
+
+
+def test_a_second_engine_starts_once_the_first_freed_its_memory(worker_patch, fake_allocator):
+    init_device, routed = worker_patch
+    driver, manager = fake_allocator
+    with manager.use_memory_pool("weights"):
+        leftover = driver.malloc(PAGE)  # a tensor of the first engine, still referenced
+    worker = FakeWorker(SimpleNamespace(on=True, model_config=SimpleNamespace()))
+    with pytest.raises(RuntimeError, match=r"2.00 MiB of an earlier engine .* still allocated"):
+        init_device(worker)
+    driver.tensor_dies(leftover)
+    init_device(worker)  # the dropped pool's free segment was handed back
+    assert manager.allocations == {} and leftover not in driver.memory
+
+
+def test_shutdown_resets_the_process_for_a_next_engine(monkeypatch, fake_allocator):
+    driver, manager = fake_allocator
+    platform = SimpleNamespace(_global_graph_pool=(1, 2))
+    monkeypatch.setattr(v1_worker_gpu_worker, "_platform_class", lambda: platform)
+    monkeypatch.setattr(config, "_active_in_this_process", True)
+    with manager.cudagraph_pool() as pool:
+        graph_memory = driver.malloc(PAGE)
+    pool.segments.append(graph_memory)
+    del pool
+    calls = []
+    shutdown = v1_worker_gpu_worker._wrap_shutdown(lambda worker: calls.append(worker))
+    driver.tensor_dies(graph_memory)  # the graphs died with the model runner
+    shutdown("worker")
+    assert calls == ["worker"]
+    assert not config.is_active() and platform._global_graph_pool is None
+    assert manager.allocations == {} and driver.mapped_bytes() == 0
+    with manager.cudagraph_pool() as new_pool:
+        assert new_pool.segments == []  # a new engine gets a new graph pool
 
 
 class FakeKvInitWorker:

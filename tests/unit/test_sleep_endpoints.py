@@ -4,6 +4,7 @@ called) and serve everything else exactly as stock (CPU, no server process)."""
 from __future__ import annotations
 
 import inspect
+import time
 
 import pytest
 from fastapi import FastAPI
@@ -100,6 +101,14 @@ def test_bad_level_is_rejected_before_the_engine(client, engine, level):
     assert response.status_code == 400
     error = response.json()["error"]
     assert repr(level) in error and "0, 1, 2" in error
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("query", ["level=1&level=2", "level=1&level=1", "mode=keep&mode=wait"])
+def test_repeated_sleep_parameter_is_rejected(client, engine, query):
+    response = client.post(f"/sleep?{query}")
+    assert response.status_code == 400
+    assert "times: give it once" in response.json()["error"]
     assert engine.calls == []
 
 
@@ -202,3 +211,156 @@ def test_apply_and_attach_are_idempotent(engine):
     assert response.status_code == 400
     assert set(response.json()) == {"error"}
     assert engine.calls == []
+
+
+# -- requests while asleep (AsleepGate) ------------------------------------
+
+
+class StagedEngine(FakeEngineClient):
+    """Sleeps with both tags; a wake with tags wakes only those (a staged wake)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asleep: set[str] = set()
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        await super().sleep(level, mode)
+        self.asleep = {"weights", "kv_cache"}
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await super().wake_up(tags)
+        self.asleep -= set(tags or self.asleep)
+
+    async def is_sleeping(self) -> bool:
+        self.calls.append(("is_sleeping",))
+        return bool(self.asleep)
+
+
+def gated_app(engine: FakeEngineClient, root_path: str = "") -> FastAPI:
+    """The sleep router plus a stand-in for vLLM's completion route."""
+    app = FastAPI(root_path=root_path)
+    api_router.attach_router(app)
+    app.state.engine_client = engine
+
+    @app.post("/v1/completions")
+    async def completions() -> dict:
+        engine.calls.append(("completion",))
+        return {"served": True}
+
+    return app
+
+
+def run(app: FastAPI, *steps) -> list:
+    """Runs each step (a coroutine function taking an httpx client) concurrently."""
+    import asyncio
+
+    import httpx
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await asyncio.gather(*(step(client) for step in steps))
+
+    return asyncio.run(main())
+
+
+def post(path: str, delay: float = 0.0):
+    async def step(client):
+        import asyncio
+
+        await asyncio.sleep(delay)
+        return await client.post(path)
+
+    return step
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "5")
+    patch.apply()
+
+
+def test_awake_engine_costs_no_round_trip(gate):
+    engine = StagedEngine()
+    (answer,) = run(gated_app(engine), post("/v1/completions"))
+    assert answer.status_code == 200 and engine.calls == [("completion",)]
+
+
+def test_request_while_asleep_is_held_and_served_after_a_staged_wake(gate):
+    engine = StagedEngine()
+    app = gated_app(engine)
+    run(app, post("/sleep?level=2"))
+    held, *_ = run(
+        app,
+        post("/v1/completions"),
+        post("/wake_up?tags=weights", delay=0.3),
+        post("/wake_up?tags=kv_cache", delay=0.6),
+    )
+    assert held.status_code == 200 and held.json() == {"served": True}
+    served = engine.calls.index(("completion",))
+    assert engine.calls.index(("wake_up", ["kv_cache"])) < served
+    # Awake again: the next request goes straight through.
+    before = len(engine.calls)
+    run(app, post("/v1/completions"))
+    assert engine.calls[before:] == [("completion",)]
+
+
+def test_request_while_asleep_gets_503_after_the_bound(monkeypatch):
+    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "0.4")
+    patch.apply()
+    engine = StagedEngine()
+    app = gated_app(engine)
+    run(app, post("/sleep?level=1"))
+    started = time.monotonic()
+    (answer,) = run(app, post("/v1/completions"))
+    assert 0.4 <= time.monotonic() - started < 3
+    assert answer.status_code == 503
+    assert answer.headers["retry-after"] == "1"
+    assert "asleep" in answer.json()["error"] and "/wake_up" in answer.json()["error"]
+    assert ("completion",) not in engine.calls  # the engine never saw it
+
+
+def test_zero_wait_refuses_at_once_and_pause_counts_as_asleep(monkeypatch):
+    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "0")
+    patch.apply()
+    engine = StagedEngine()
+    app = gated_app(engine)
+
+    @app.post("/pause")
+    async def pause() -> dict:  # vLLM's dev/rlhf route pauses the scheduler
+        engine.asleep = {"scheduling"}
+        return {"status": "paused"}
+
+    run(app, post("/pause"))
+    started = time.monotonic()
+    (answer,) = run(app, post("/v1/completions"))
+    assert answer.status_code == 503 and time.monotonic() - started < 1
+
+
+def test_root_path_is_honoured_by_the_gate(monkeypatch):
+    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "0")
+    patch.apply()
+    engine = StagedEngine()
+    app = gated_app(engine, root_path="/api")
+    run(app, post("/api/sleep?level=1"))
+    (answer,) = run(app, post("/api/v1/completions"))
+    assert answer.status_code == 503
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
+def test_bad_wait_bound_fails_at_start_up(monkeypatch, value):
+    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, value)
+    with pytest.raises(ValueError, match=patch.ASLEEP_WAIT_ENV):
+        patch.apply()
+
+
+def test_a_failing_engine_check_lets_the_request_through_to_vllm(gate):
+    class DeadEngine(StagedEngine):
+        async def is_sleeping(self) -> bool:
+            raise RuntimeError("engine core died")
+
+    engine = DeadEngine()
+    app = gated_app(engine)
+    run(app, post("/sleep?level=1"))
+    (answer,) = run(app, post("/v1/completions"))
+    assert answer.status_code == 200 and ("completion",) in engine.calls

@@ -37,8 +37,10 @@ class Client:
         name: str,
         where: Callable[[], str],
         timeout: float = 300.0,
+        api_key: str | None = None,
     ):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         self.name = name
         self._where = where
         self.timeout = timeout
@@ -55,7 +57,7 @@ class Client:
         if query:
             url += "?" + urllib.parse.urlencode(list(query))
         data = None
-        headers = {}
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
@@ -69,7 +71,8 @@ class Client:
         except urllib.error.HTTPError as error:
             detail = error.read()[:300].decode(errors="replace").replace("\n", " ")
             raise ServerError(
-                f"[{self.name}] {call} answered {error.code}: {detail}; {self._where()}"
+                f"[{self.name}] {call} answered {error.code}: {detail}; {self._where()}",
+                status=error.code,
             ) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
             reason = getattr(error, "reason", error)

@@ -39,7 +39,13 @@ CONFIG_LABELS = {
 
 
 class ServerError(RuntimeError):
-    """A server did not start, died, or answered an error; the message is one line."""
+    """A server did not start, died, or answered an error; the message is one line.
+    `status` is the HTTP status of an error answer (None when there was none), for
+    callers that expect a particular error, e.g. a wake refused under memory pressure."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def free_port(host: str = "127.0.0.1") -> int:

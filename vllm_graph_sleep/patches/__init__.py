@@ -30,7 +30,10 @@ from types import ModuleType
 #: patch module -> the vLLM module it changes.
 PATCHES = {
     "engine_arg_utils": "vllm.engine.arg_utils",
+    "entrypoints_serve_utils_server_utils": "vllm.entrypoints.serve.utils.server_utils",
     "entrypoints_serve_dev_sleep_api_router": "vllm.entrypoints.serve.dev.sleep.api_router",
+    "entrypoints_serve_dev_rpc_api_router": "vllm.entrypoints.serve.dev.rpc.api_router",
+    "v1_engine_core": "vllm.v1.engine.core",
     "distributed_device_communicators_custom_all_reduce": (
         "vllm.distributed.device_communicators.custom_all_reduce"
     ),
@@ -41,6 +44,7 @@ PATCHES = {
     "v1_worker_gpu_attn_utils": "vllm.v1.worker.gpu.attn_utils",
     "v1_worker_gpu_model_runner": "vllm.v1.worker.gpu_model_runner",
     "v1_worker_encoder_cudagraph": "vllm.v1.worker.encoder_cudagraph",
+    "v1_spec_decode_gemma4": "vllm.v1.spec_decode.gemma4",
 }
 
 _lock = threading.Lock()

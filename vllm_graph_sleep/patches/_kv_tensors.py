@@ -9,7 +9,7 @@ from vllm_graph_sleep.allocator import KV_CACHE_TAG, GraphSleepAllocator
 
 def in_kv_cache_pool(original):
     def allocate_kv_cache(*args, **kwargs):
-        if not config.is_active():
+        if not config.routes_to_pools():
             return original(*args, **kwargs)
         with GraphSleepAllocator.get_instance().use_memory_pool(tag=KV_CACHE_TAG):
             return original(*args, **kwargs)

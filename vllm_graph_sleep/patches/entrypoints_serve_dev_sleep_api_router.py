@@ -8,18 +8,39 @@ the module's router. Verified against vLLM 0.26.0.
 Why: 0.26 passes the query of these endpoints to the engine unchecked.
 `/sleep?level=3` reaches the sleep backend, which discards the weights, while
 Worker.sleep saves the model buffers only at level 2, so they are lost; an
-unknown `/wake_up` tag is ignored and answered 200. attach_router is wrapped so
+unknown `/wake_up` tag is ignored and answered 200; a repeated `level` or `mode`
+is silently resolved to one of its values. attach_router is wrapped so
 that, before vLLM's router is included, the app gets an ASGI middleware that
 answers such requests with 400 and a JSON body {"error": ...} without calling
 the engine; valid requests pass through untouched. The middleware is applied
 whenever the plugin is installed, independent of --sleep-mode-offload-cudagraph:
 it only rejects requests that stock vLLM mishandles.
 
-Remove when: vLLM 0.33+ (its sleep endpoints validate level and mode).
+Requests while asleep: vLLM 0.26 queues a request that reaches a sleeping or
+paused engine and serves it once the engine is fully awake (EngineCore.sleep:
+"Requests are still accepted but not processed"; pause_scheduler: "All pause
+modes queue new adds"), with no bound: a completion sent to a sleeping server
+waited as long as the sleep did. We keep upstream's choice, held and served
+after the wake, and add the bound: a second middleware, AsleepGate, holds an
+inference request (INFERENCE_PATHS) in the API server while the engine sleeps
+or is paused and lets it through unchanged once the engine is awake; if the
+engine is still asleep after VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S seconds (default
+30; 0 refuses at once) the request gets 503 with Retry-After and a JSON error,
+and the engine never sees it. It asks the engine (is_sleeping) only after this
+API server forwarded a /sleep or /pause, or on every inference request when
+several API server processes share the engine (--api-server-count > 1),
+where another process may have put it to sleep.
+
+Remove when: SleepRequestValidation, on vLLM 0.33+ (it validates level and
+mode); AsleepGate, when vLLM bounds the wait of a request sent to a sleeping
+engine (0.33 does not).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +59,35 @@ from vllm_graph_sleep.patches._wrap import (
 WHERE = "vllm.entrypoints.serve.dev.sleep.api_router"
 SLEEP_PATH = "/sleep"
 WAKE_UP_PATH = "/wake_up"
+#: Requests that put the engine to sleep or pause it (the latter: dev/rlhf router).
+SLEEP_PATHS = (SLEEP_PATH, "/pause")
+#: POST routes that submit work to the engine; these wait while it sleeps.
+INFERENCE_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/chat/completions/batch",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v2/embed",
+    "/v2/rerank",
+    "/inference/v1/generate",
+    "/invocations",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/generative_scoring",
+)
+ASLEEP_WAIT_ENV = "VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S"
+DEFAULT_ASLEEP_WAIT_S = 30.0
+#: How often a held request asks the engine whether it is awake.
+POLL_S = 0.1
+RETRY_AFTER_S = 1
 SLEEP_LEVELS = (0, 1, 2)
 # What EngineCore.pause_scheduler accepts (vllm/v1/engine/core.py); stock lets
 # any other value travel to the engine core before it fails there.
@@ -51,6 +101,10 @@ def _listed(values: tuple) -> str:
 
 
 def _sleep_error(params: QueryParams) -> str | None:
+    for name in ("level", "mode"):
+        if len(params.getlist(name)) > 1:
+            # vLLM's handler would silently take one of them.
+            return f"sleep {name} given {len(params.getlist(name))} times: give it once"
     # Same reads and defaults as vLLM's handler, so both judge the same values.
     level = params.get("level", "1")
     try:
@@ -95,12 +149,93 @@ class SleepRequestValidation:
         await self.app(scope, receive, send)
 
 
+def asleep_wait_s() -> float:
+    raw = os.environ.get(ASLEEP_WAIT_ENV, "")
+    if not raw:
+        return DEFAULT_ASLEEP_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ValueError(
+            f"{ASLEEP_WAIT_ENV}={raw!r}: expected seconds >= 0 (0 refuses requests at once "
+            f"while the engine sleeps; unset: {DEFAULT_ASLEEP_WAIT_S:g})"
+        )
+    return value
+
+
+class AsleepGate:
+    """Holds inference requests while the engine sleeps or is paused; 503 with
+    Retry-After once the wait bound has passed (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.wait_s = asleep_wait_s()
+        # Set when this server forwards a /sleep or /pause; cleared once the
+        # engine says it is awake and no such request is still in flight (one
+        # may not have reached the engine yet). Without it no request pays an
+        # engine round trip.
+        self.maybe_asleep = False
+        self.sleeps_in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path in SLEEP_PATHS:
+            self.maybe_asleep = True
+            self.sleeps_in_flight += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.sleeps_in_flight -= 1
+            return
+        if path in INFERENCE_PATHS and not await self._awake_in_time(scope["app"].state):
+            message = (
+                f"the engine is asleep (not woken within {self.wait_s:g} s); "
+                "wake it with POST /wake_up, then retry"
+            )
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            await JSONResponse({"error": message}, 503, headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _awake_in_time(self, state: Any) -> bool:
+        args = getattr(state, "args", None)
+        if not (self.maybe_asleep or (getattr(args, "api_server_count", None) or 1) > 1):
+            return True
+        engine = getattr(state, "engine_client", None)
+        if engine is None:  # not serving yet: vLLM answers as it would
+            return True
+        deadline = time.monotonic() + self.wait_s
+        while await self._is_sleeping(engine):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        if self.sleeps_in_flight == 0:
+            self.maybe_asleep = False
+        return True
+
+    @staticmethod
+    async def _is_sleeping(engine: Any) -> bool:
+        try:
+            return await engine.is_sleeping()
+        except Exception:
+            # A dead or failing engine: let the request through, so vLLM's own
+            # handlers answer it (and shut a dead server down) as they would.
+            return False
+
+
 def _wrap_attach_router(original: Callable[..., Any]) -> Callable[..., Any]:
     def attach_router(app: Any, *args: Any, **kwargs: Any) -> Any:
         # add_middleware must run before the app starts; vLLM's build_app calls
         # attach_router while building the app, so this holds.
-        if not any(m.cls is SleepRequestValidation for m in app.user_middleware):
-            app.add_middleware(SleepRequestValidation)
+        present = {m.cls for m in app.user_middleware}
+        for middleware in (SleepRequestValidation, AsleepGate):
+            if middleware not in present:
+                app.add_middleware(middleware)
         return original(app, *args, **kwargs)
 
     return attach_router
@@ -130,6 +265,7 @@ def apply() -> None:
         return
     from vllm.entrypoints.serve.dev.sleep import api_router
 
+    asleep_wait_s()  # a bad value fails at start-up, not at the first request
     require(api_router, "attach_router", where=WHERE, parameters=("app",))
     _require_post_routes(require(api_router, "router", where=WHERE))
     wrap_function(api_router, "attach_router", _wrap_attach_router, where=WHERE)

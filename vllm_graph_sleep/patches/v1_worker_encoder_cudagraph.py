@@ -6,6 +6,8 @@ graphs (gpu_model_runner.py, capture_model), so they would stay resident.
 
 Why: beyond upstream (0.33 leaves encoder graphs outside the pool too): with
 graph offload active, encoder graphs are captured into our "cudagraph" pool.
+Not while V1 profiles graph memory (config.outside_pools): those graphs are
+thrown away and must not grow a pool that lives as long as the engine.
 
 Remove when: vLLM routes encoder graph capture through the global graph pool.
 """
@@ -21,7 +23,7 @@ WHERE = "vllm.v1.worker.encoder_cudagraph.EncoderCudaGraphManager"
 
 def _wrap_capture(original):
     def capture(self, graph_pool, *args, **kwargs):
-        if not config.is_active():
+        if not config.routes_to_pools():
             return original(self, graph_pool, *args, **kwargs)
         with GraphSleepAllocator.get_instance().cudagraph_pool() as pool:
             return original(self, pool.id, *args, **kwargs)

@@ -1,7 +1,7 @@
 """Patch: vllm.v1.worker.gpu_worker (Worker, get_mem_allocator_instance).
 
 vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model,
-Worker._maybe_get_memory_pool_context, and the module global
+Worker._maybe_get_memory_pool_context, Worker.shutdown, and the module global
 get_mem_allocator_instance that it calls. Verified against vLLM 0.26.0.
 
 Why: vLLM 0.26 has no seam that puts graph memory under sleep mode. When the
@@ -12,13 +12,18 @@ gate is on in this worker, this patch
   our sleep-mode backend, and points the platform's global graph pool (read by
   every capture wrapper of both model runners, and passed to NCCL's
   set_graph_pool_id while capturing) at our "cudagraph" pool;
-- tags what compile_or_warm_up_model captures as "cudagraph";
+- tags what compile_or_warm_up_model captures as "cudagraph", with torch's
+  expandable segments off (they and a pluggable-allocator pool do not mix);
 - turns the "kv_cache" pool that initialize_from_config opens around
   initialize_kv_cache into a "runtime" pool, backed up at every level: the
   attention metadata, block tables and graph input buffers built there must
   survive sleep (FULL graphs read them). The KV tensors get their own
   "kv_cache" pool (v1_worker_gpu_attn_utils, v1_worker_gpu_model_runner).
   Upstream did the same in PR #59158.
+- at shutdown, drops the graph pool, points the platform's global graph pool
+  back at nothing and marks the process inactive, so that a next engine in the
+  same process (vLLM's test suites make several) starts as if it were the
+  first, with graph offload on or off.
 With the gate off every wrapper calls straight through (stock behaviour).
 
 Remove when: the plugin moves to a vLLM with the feature (upstream PRs #59160
@@ -30,15 +35,21 @@ from __future__ import annotations
 import logging
 
 from vllm_graph_sleep import config
-from vllm_graph_sleep.allocator import GRAPH_TAG, KV_CACHE_TAG, RUNTIME_TAG, GraphSleepAllocator
+from vllm_graph_sleep.alloc_conf import expandable_segments_off
+from vllm_graph_sleep.allocator import (
+    GRAPH_TAG,
+    KV_CACHE_TAG,
+    RUNTIME_TAG,
+    GraphSleepAllocator,
+    format_bytes,
+)
 from vllm_graph_sleep.patches._wrap import require, wrap_function
 
 logger = logging.getLogger("vllm.graph_sleep")
 WHERE = "vllm.v1.worker.gpu_worker"
 
 
-def route_graph_capture_to_pool() -> None:
-    """Makes our graph pool the platform's global graph pool."""
+def _platform_class():
     from vllm.platforms import current_platform
 
     platform_cls = type(current_platform)
@@ -47,8 +58,27 @@ def route_graph_capture_to_pool() -> None:
         raise RuntimeError(
             "vllm-graph-sleep: Platform._global_graph_pool not found; cannot route capture"
         )
+    return platform_cls
+
+
+def route_graph_capture_to_pool() -> None:
+    """Makes our graph pool the platform's global graph pool."""
     with GraphSleepAllocator.get_instance().cudagraph_pool() as pool:
-        platform_cls._global_graph_pool = pool.id
+        _platform_class()._global_graph_pool = pool.id
+
+
+def require_no_leftovers(allocator: GraphSleepAllocator) -> None:
+    """A new engine starts on an empty allocator (vLLM asserts it when it loads
+    the weights); name what an earlier engine of this process left behind."""
+    if not allocator.allocations:
+        return
+    allocator.release_pools()
+    if allocator.allocations:
+        raise RuntimeError(
+            f"vllm-graph-sleep: {format_bytes(allocator.get_current_usage())} of an earlier "
+            f"engine in this process are still allocated ({allocator.usage_by_tag()}); "
+            "delete every reference to the earlier LLM and its outputs' tensors first"
+        )
 
 
 def _wrap_init_device(original):
@@ -62,6 +92,7 @@ def _wrap_init_device(original):
             config.mark_active()
         result = original(self, *args, **kwargs)
         if gate.active:
+            require_no_leftovers(GraphSleepAllocator.get_instance())
             self.vllm_config.model_config.sleep_mode_backend = config.BACKEND_NAME
             route_graph_capture_to_pool()
             logger.info("graph-sleep: CUDA/HIP graphs are captured into the cudagraph pool")
@@ -74,10 +105,24 @@ def _wrap_compile_or_warm_up_model(original):
     def compile_or_warm_up_model(self, *args, **kwargs):
         if not config.is_active():
             return original(self, *args, **kwargs)
-        with GraphSleepAllocator.get_instance().allocation_tag(GRAPH_TAG):
+        allocator = GraphSleepAllocator.get_instance()
+        with allocator.allocation_tag(GRAPH_TAG), expandable_segments_off():
             return original(self, *args, **kwargs)
 
     return compile_or_warm_up_model
+
+
+def _wrap_shutdown(original):
+    def shutdown(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if config.is_active():
+                GraphSleepAllocator.get_instance().release_pools()
+                _platform_class()._global_graph_pool = None
+                config.mark_inactive()
+
+    return shutdown
 
 
 def _wrap_maybe_get_memory_pool_context(original):
@@ -110,6 +155,7 @@ def apply() -> None:
         _wrap_compile_or_warm_up_model,
         where=WHERE,
     )
+    wrap_function(gpu_worker.Worker, "shutdown", _wrap_shutdown, where=WHERE)
     require(gpu_worker.Worker, "_maybe_get_memory_pool_context", where=WHERE, parameters=("tag",))
     wrap_function(
         gpu_worker.Worker,

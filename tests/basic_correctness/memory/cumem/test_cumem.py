@@ -2,11 +2,15 @@
 
 Memory is checked two ways: the allocator's own bookkeeping (exact) and the
 driver's free memory / NVML (what another process can really use).
+
+With GRAPH_SLEEP_TEST_EXTENSION pointing at the rocm-on-cuda build
+(tests/rocm_shim/), the same tests run the allocator's ROCm path on an NVIDIA GPU.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -18,6 +22,19 @@ from tests.utils import cuda_only, fresh_process, requires_gpu
 from vllm_graph_sleep.allocator import GRAPH_TAG, GraphSleepAllocator, WakeUpError
 
 pytestmark = requires_gpu
+
+
+def _rocm_on_cuda_build() -> bool:
+    extension = sys.modules.get("vllm_graph_sleep._cumem")  # loaded by conftest when chosen
+    return extension is not None and hasattr(
+        ctypes.CDLL(extension.__file__), "hip_shim_steal_next_freed_range"
+    )
+
+
+rocm_on_cuda_only = pytest.mark.skipif(
+    not _rocm_on_cuda_build(),
+    reason="needs the rocm-on-cuda test build (GRAPH_SLEEP_TEST_EXTENSION, tests/rocm_shim/)",
+)
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -68,6 +85,43 @@ def poisoned_remaps(alloc: GraphSleepAllocator, value: int = POISON):
         yield
     finally:
         driver.create_and_map = original
+
+
+def allocation_of(alloc: GraphSleepAllocator, tensor: torch.Tensor):
+    pointer = tensor.data_ptr()
+    (found,) = [a for a in alloc.allocations.values() if a.address <= pointer < a.address + a.size]
+    return found
+
+
+def overlaps(tensor: torch.Tensor, address: int, size: int) -> bool:
+    start = tensor.data_ptr()
+    return start < address + size and address < start + tensor.nbytes
+
+
+def allocator_library(alloc: GraphSleepAllocator) -> ctypes.CDLL:
+    library = ctypes.CDLL(alloc._driver.library_path())
+    library.my_malloc.restype = ctypes.c_void_p
+    library.my_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    library.my_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return library
+
+
+def reserve_elsewhere(address: int, size: int) -> int:
+    """What another mapping in this process gets when it asks the CUDA driver
+    for [address, address + size): the address it was given (then freed)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuMemAddressReserve.argtypes = [
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_uint64,
+        ctypes.c_ulonglong,
+    ]
+    cuda.cuMemAddressFree.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
+    got = ctypes.c_uint64()
+    assert cuda.cuMemAddressReserve(ctypes.byref(got), size, 0, address, 0) == 0
+    assert cuda.cuMemAddressFree(got.value, size) == 0
+    return got.value
 
 
 def entries(alloc: GraphSleepAllocator, tag: str) -> dict[int, int]:
@@ -220,7 +274,9 @@ def test_dropped_graph_pool_replays_when_the_graph_writes_all_it_reads():
         assert alloc.usage_by_tag()[GRAPH_TAG]["dropped"] > 0
         with poisoned_remaps(alloc):
             alloc.wake_up()
-        assert bool((out.view(torch.uint8) == POISON).all())
+        # Zeroed on ROCm (the rocm-on-cuda build included), stale elsewhere.
+        stale = 0 if alloc.zero_on_wake else POISON
+        assert bool((out.view(torch.uint8) == stale).all())
         graph.replay()
         assert torch.equal(out, expected)
 
@@ -358,9 +414,7 @@ def test_driver_errors_surface_as_runtime_errors_and_do_not_poison_the_allocator
             allocation.device, allocation.size, allocation.address, allocation.handle
         )
 
-    library = ctypes.CDLL(alloc._driver.library_path())
-    library.my_malloc.restype = ctypes.c_void_p
-    library.my_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    library = allocator_library(alloc)
     assert library.my_malloc(1 << 60, 0, None) is None  # no such memory anywhere
     assert "failed" in alloc._driver.last_error()
 
@@ -418,3 +472,171 @@ def test_probe_sees_a_graph_captured_outside_our_pool_and_not_one_inside():
         outside_out = static * 3
     assert foreign() >= static.nbytes
     del inside_out, outside_out
+
+
+@fresh_process
+def test_a_failed_my_malloc_logs_the_drivers_reason_once_per_call(capfd):
+    """Torch turns our nullptr into its generic out-of-memory error; the driver's
+    reason must still reach the log, with the size and the device."""
+    alloc = manager()
+    library = allocator_library(alloc)
+    capfd.readouterr()
+    assert library.my_malloc(1 << 60, 0, None) is None
+    reason = alloc._driver.last_error()
+    assert re.match(r"(cu|hip)Mem\w+ failed: \S", reason), reason
+    logged = [line for line in capfd.readouterr().err.splitlines() if "my_malloc" in line]
+    line = f"[vllm_graph_sleep] my_malloc of {1 << 60} bytes on device 0 failed: {reason}"
+    assert logged == [line]
+
+    with pytest.raises(torch.OutOfMemoryError):
+        with alloc.use_memory_pool("weights"):
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+    logged = [line for line in capfd.readouterr().err.splitlines() if "my_malloc" in line]
+    assert logged, "torch's out-of-memory error came without the driver's reason"
+    assert all(re.search(r"on device 0 failed: (cu|hip)Mem\w+ failed: \S", line) for line in logged)
+
+
+@cuda_only  # asks the CUDA driver directly; on the rocm-on-cuda build this is the ROCm path
+@fresh_process
+def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back(capfd):
+    """While asleep the range is held (on ROCm by an empty placeholder
+    reservation), so no other mapping can take it before wake; freeing a
+    sleeping allocation gives the whole range back."""
+    alloc = manager()
+    library = allocator_library(alloc)
+    # Control: on this driver a free range goes to whoever asks for it.
+    free_range = library.my_malloc(8 * MIB, 0, None)
+    library.my_free(free_range, 8 * MIB, 0, None)
+    assert reserve_elsewhere(free_range, 8 * MIB) == free_range
+
+    with alloc.use_memory_pool("weights"):
+        weights = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8, device="cuda")
+    expected, pointer = weights.clone(), weights.data_ptr()
+    held = allocation_of(alloc, weights)
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.mapped_bytes() == 0
+
+    assert reserve_elsewhere(held.address, held.size) != held.address
+    assert reserve_elsewhere(held.address + 2 * MIB, 2 * MIB) != held.address + 2 * MIB
+    with alloc.use_memory_pool("kv_cache"):
+        ours = torch.empty(held.size, dtype=torch.uint8, device="cuda")
+    theirs = torch.empty(held.size, dtype=torch.uint8, device="cuda")
+    assert not overlaps(ours, held.address, held.size)
+    assert not overlaps(theirs, held.address, held.size)
+
+    alloc.wake_up()
+    assert weights.data_ptr() == pointer
+    assert torch.equal(weights, expected)
+
+    asleep = library.my_malloc(8 * MIB, 0, None)
+    alloc.sleep(offload_tags=())
+    capfd.readouterr()
+    library.my_free(asleep, 8 * MIB, 0, None)
+    assert "[vllm_graph_sleep]" not in capfd.readouterr().err
+    assert asleep not in alloc.allocations
+    assert reserve_elsewhere(asleep, 8 * MIB) == asleep
+
+
+@rocm_on_cuda_only
+@fresh_process
+def test_a_lost_placeholder_fails_the_wake_cleanly_and_a_retry_succeeds(capfd):
+    """If another thread takes the range between sleep's free and its
+    placeholder, sleep still completes, wake fails without mapping anything,
+    and succeeds at the same address once the range is free again."""
+    alloc = manager()
+    assert alloc._driver.is_rocm() and alloc.zero_on_wake  # the ROCm path, chosen by the build
+    library = ctypes.CDLL(alloc._driver.library_path())
+    library.hip_shim_return_stolen_range.restype = ctypes.c_ulonglong
+    expected = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8, device="cuda")
+    with alloc.use_memory_pool("weights"):
+        weights = torch.empty_like(expected)  # the one allocation of ours: the one stolen
+    weights.copy_(expected)
+    pointer = weights.data_ptr()
+    (held,) = alloc.allocations.values()
+
+    capfd.readouterr()
+    library.hip_shim_steal_next_freed_range()
+    alloc.sleep(offload_tags=("weights",))
+    assert f"sleep of {held.address:#x} holds no placeholder" in capfd.readouterr().err
+    with pytest.raises(WakeUpError, match="is taken by another mapping"):
+        alloc.wake_up()
+    assert alloc.mapped_bytes() == 0
+    assert alloc.usage_by_tag()["weights"]["backed_up"] == held.size
+
+    assert library.hip_shim_return_stolen_range() == held.address
+    alloc.wake_up()
+    assert weights.data_ptr() == pointer
+    assert torch.equal(weights, expected)
+
+
+@fresh_process
+def test_a_pool_hands_back_free_segments_when_its_context_exits():
+    """Dead memory of a load (bf16 weights quantized online, repacked MoE
+    weights) is not kept mapped, nor copied to host at every sleep."""
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        weights = torch.full((8 * MIB,), 7, dtype=torch.uint8, device="cuda")
+        scratch = torch.ones(64 * MIB, dtype=torch.uint8, device="cuda")
+        later = torch.ones(32 * MIB, dtype=torch.uint8, device="cuda")
+        del scratch
+    free_after_exit = torch.cuda.mem_get_info()[0]
+    assert alloc.mapped_bytes("weights") < 64 * MIB, "the free 64 MiB segment stayed mapped"
+    del later  # freed after the context: handed back before the next sleep backs it up
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.host_bytes() < 32 * MIB
+    assert torch.cuda.mem_get_info()[0] >= free_after_exit + 8 * MIB
+    alloc.wake_up()
+    torch.cuda.synchronize()
+    assert bool((weights == 7).all())
+
+
+@fresh_process
+def test_gemma4_centroid_graphs_land_in_our_pool_and_replay_after_sleep():
+    """vLLM 0.26's own Gemma4Proposer._setup_centroids_cuda_graphs, run on a
+    stand-in drafter (random centroid weights), inside load_model's weights pool."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.gemma4 import Gemma4Proposer
+
+    from vllm_graph_sleep import config
+    from vllm_graph_sleep.patches import v1_spec_decode_gemma4
+    from vllm_graph_sleep.probe import foreign_pool_bytes
+
+    v1_spec_decode_gemma4.apply()
+    config.mark_active()
+    alloc = manager()
+    hidden, vocab = 256, 4096
+
+    class MaskedEmbedding:
+        hidden_size = hidden
+
+        @staticmethod
+        def get_top_tokens(states, lm_head):
+            return torch.topk(states.float() @ lm_head.float().t(), k=4, dim=-1).indices
+
+    with alloc.use_memory_pool("weights"):
+        lm_head = torch.randn(vocab, hidden, dtype=torch.bfloat16, device="cuda")
+        drafter = SimpleNamespace(
+            model=SimpleNamespace(
+                masked_embedding=MaskedEmbedding(), _get_full_lm_head_weight=lambda: lm_head
+            ),
+            dtype=torch.bfloat16,
+            device=torch.device("cuda"),
+            _centroids_graphs={},
+            _centroids_inputs={},
+            _centroids_outputs={},
+        )
+        Gemma4Proposer._setup_centroids_cuda_graphs(drafter)
+    graph_bytes = alloc.mapped_bytes(GRAPH_TAG)
+    assert graph_bytes > 0
+    assert foreign_pool_bytes(torch.cuda.memory_snapshot(), set(alloc.allocations)) == 0
+
+    alloc.sleep(offload_tags=("weights", GRAPH_TAG))
+    assert alloc.mapped_bytes() == 0
+    alloc.wake_up()
+    for size, graph in drafter._centroids_graphs.items():
+        states = torch.randn(size, hidden, dtype=torch.bfloat16, device="cuda")
+        drafter._centroids_inputs[size].copy_(states)
+        graph.replay()
+        expected = MaskedEmbedding.get_top_tokens(states, lm_head)
+        assert torch.equal(drafter._centroids_outputs[size], expected), size

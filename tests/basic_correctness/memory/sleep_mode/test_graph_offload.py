@@ -124,3 +124,35 @@ def test_flag_without_cudagraphs_is_stock_and_warns():
     llm = start_engine("llama", "full_and_piecewise", enforce_eager=True)
     awake = report(llm)
     assert not awake["graph_offload_active"] and awake["allocator"] == "vllm"
+
+
+@fresh_process
+def test_engines_one_after_another_in_one_process_with_the_flag_on_off_on():
+    """vLLM's own test suites make and delete several in-process engines in one
+    process: each must start as if it were the first and sleep/wake correctly,
+    whatever the flag was for the engine before."""
+    import gc
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this process
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    tokens = []
+    for offload in (True, False, True):
+        llm = start_engine("llama", "piecewise", offload=offload)
+        awake = report(llm)
+        assert awake["graph_offload_active"] == offload
+        assert awake["allocator"] == ("vllm_graph_sleep" if offload else "vllm")
+        assert (awake["foreign_pool_bytes"] == 0) == offload
+        reference = greedy_tokens(llm)
+        llm.sleep(level=1)
+        asleep = report(llm)
+        assert all(usage["mapped"] == 0 for usage in asleep["tags"].values()), asleep["tags"]
+        llm.wake_up()
+        assert greedy_tokens(llm) == reference
+        tokens.append(reference)
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    assert tokens[0] == tokens[1] == tokens[2]

@@ -1,0 +1,194 @@
+"""vLLM's own graph-pool sleep test sequence, on one engine, with diagnostics (one GPU).
+
+Replays the sequence of upstream vLLM's `test_sleep_cudagraph_pool`
+(tests/basic_correctness/memory/sleep_mode/, vLLM 0.33) with vLLM's defaults
+(gpu_memory_utilization 0.92, default capture sizes): greedy, max_tokens 10,
+prompt "How are you?"; generate; sleep(level=1); wake_up(["weights"]);
+wake_up(["kv_cache"]); generate again. Then it keeps going on the same engine so
+that one start tells what differs:
+
+- `repeat`: generate twice more without any sleep (is greedy stable at all?);
+- `upstream`: the sequence above;
+- `upstream_zeroed` (ours only): the same with dropped memory zeroed on wake;
+- `full_wake`: sleep(level=1); wake_up();
+- `level2`: sleep(level=2); wake_up(["weights"]); reload_weights; wake_up(["kv_cache"]).
+
+With graph offload it also checksums every allocation that sleep backs up, before
+the sleep and after the wake: a backed-up allocation whose bytes changed is a bug
+of ours, one that did not change clears the pools.
+
+    python benchmarks/upstream_sequence.py --config ours --mode PIECEWISE --breakable
+
+`--config stock` runs stock vLLM 0.26 sleep mode (no graph offload) through the
+same steps. `--late-env` loads vLLM's general plugins in this process before
+VLLM_USE_BREAKABLE_CUDAGRAPH is set (as a test suite does when an earlier test
+made an EngineArgs) and forks the engine, as vLLM does by default; with
+`--import-attention-first` it also imports vLLM's attention layer module first,
+as a plugin that imports worker modules at load would. vLLM decides at that
+import whether attention breaks the graph, so a forked engine then captures
+attention inside its breakable graphs.
+
+Prints one line `RESULT {json}`: per step the token ids and whether they equal
+the first generation's. Exit status: 0 when it ran, 2 without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPT = "How are you?"
+MAX_TOKENS = 10
+
+
+def load_plugins_early(import_attention: bool) -> None:
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    if import_attention:
+        import vllm.model_executor.layers.attention.attention  # noqa: F401
+
+
+def set_env(breakable: bool, in_process: bool) -> None:
+    # The upstream test's environment.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    os.environ["VLLM_ALLREDUCE_USE_FLASHINFER"] = "0"
+    os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # skips a ~96 s JIT build
+    if in_process:
+        # The worker's allocator is reachable from here for checksums.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if breakable:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+
+
+def checksums(tags_kept: set[str] | None = None) -> dict[int, tuple[str, int]]:
+    """Per mapped allocation of ours (tags other than kv_cache): tag and a checksum."""
+    from vllm_graph_sleep.allocator import KV_CACHE_TAG, GraphSleepAllocator
+
+    allocator = GraphSleepAllocator._instance
+    if allocator is None:
+        return {}
+    torch.cuda.synchronize()
+    sums = {}
+    for address, allocation in allocator.allocations.items():
+        if not allocation.mapped or allocation.tag == KV_CACHE_TAG:
+            continue
+        data = allocator._device_bytes(allocation)
+        words = data.view(torch.int32) if allocation.size % 4 == 0 else data.to(torch.int32)
+        weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
+        sums[address] = (allocation.tag, int((words.to(torch.int64) * weights).sum().item()))
+    return sums
+
+
+def changed(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> dict:
+    """Bytes per tag whose checksum differs (allocations present in both)."""
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+
+    allocator = GraphSleepAllocator._instance
+    diff: dict[str, dict[str, int]] = {}
+    for address, (tag, value) in before.items():
+        if address not in after:
+            continue
+        entry = diff.setdefault(tag, {"allocations": 0, "changed": 0, "changed_bytes": 0})
+        entry["allocations"] += 1
+        if after[address][1] != value:
+            entry["changed"] += 1
+            entry["changed_bytes"] += allocator.allocations[address].size
+    return diff
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", choices=("ours", "stock"), default="ours")
+    parser.add_argument("--mode", default="PIECEWISE")
+    parser.add_argument("--breakable", action="store_true")
+    parser.add_argument("--in-process", action="store_true", help="engine in this process")
+    parser.add_argument("--late-env", action="store_true")
+    parser.add_argument("--import-attention-first", action="store_true")
+    parser.add_argument("--kind", default="llama")
+    parser.add_argument("--model", help="model directory (default: made locally)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    args = parser.parse_args()
+    # NVML's answer: the CUDA runtime stays uninitialised, so the engine can fork.
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    if not torch.cuda.is_available():
+        print("upstream_sequence: no CUDA or ROCm GPU visible; nothing to run", file=sys.stderr)
+        return 2
+    if args.late_env:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        load_plugins_early(args.import_attention_first)
+    set_env(args.breakable, args.in_process)
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_graph_sleep.models import make_model
+
+    cache = Path(os.environ.get("VLLM_GRAPH_SLEEP_MODEL_CACHE", "~/.cache/vllm-graph-sleep"))
+    model = args.model or str(make_model(args.kind, cache.expanduser() / args.kind))
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        enable_sleep_mode=True,
+        compilation_config={
+            "cudagraph_mode": args.mode,
+            "pass_config": {"fuse_allreduce_rms": False},
+        },
+    )
+    if args.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    ours = args.config == "ours"
+    if ours:
+        kwargs["additional_config"] = {"sleep_mode_offload_cudagraph": True}
+    llm = LLM(**kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    def generate() -> list[int]:
+        return list(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    reference = generate()
+    steps: list[dict[str, Any]] = []
+
+    def record(name: str, extra: dict | None = None) -> None:
+        tokens = generate()
+        steps.append({"step": name, "tokens": tokens, "same": tokens == reference, **(extra or {})})
+        print(f"STEP {name}: same={tokens == reference} tokens={tokens}", flush=True)
+
+    record("repeat_1")
+    record("repeat_2")
+
+    def staged(level: int, zero: bool = False) -> dict:
+        from vllm_graph_sleep.allocator import GraphSleepAllocator
+
+        allocator = GraphSleepAllocator._instance
+        if allocator is not None:
+            allocator.zero_on_wake = zero
+        before = checksums()
+        llm.sleep(level=level)
+        llm.wake_up(tags=["weights"])
+        if level == 2:
+            llm.collective_rpc("reload_weights")
+        llm.wake_up(tags=["kv_cache"])
+        after = checksums()
+        return {"checksums_changed": changed(before, after)} if allocator is not None else {}
+
+    record("upstream", staged(1))
+    if ours:
+        record("upstream_zeroed", staged(1, zero=True))
+        record("upstream_again", staged(1))
+    llm.sleep(level=1)
+    llm.wake_up()
+    record("full_wake")
+    record("level2", staged(2))
+    record("repeat_3")
+    print("RESULT " + json.dumps({"config": vars(args), "reference": reference, "steps": steps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
