@@ -58,7 +58,7 @@ def main() -> int:
         print("awake_memory: no CUDA or ROCm GPU visible; nothing to run", file=sys.stderr)
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's tests package
-    from tests.engine_utils import greedy_tokens, report, start_engine
+    from vllm_graph_sleep.testing import greedy_tokens, report, start_engine
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # NVML sees one process
     overrides = {"quantization": args.quantization} if args.quantization else {}

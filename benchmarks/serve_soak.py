@@ -25,16 +25,13 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's tests package
-
-from tests.engine_utils import PROMPTS, model_dir  # noqa: E402
-from vllm_graph_sleep.bench import live  # noqa: E402
-from vllm_graph_sleep.bench.gpu import MemorySource, NoGpuError, settle  # noqa: E402
-from vllm_graph_sleep.bench.runner import Progress  # noqa: E402
-from vllm_graph_sleep.bench.server import ServerError  # noqa: E402
+from vllm_graph_sleep.bench import live
+from vllm_graph_sleep.bench.gpu import MemorySource, NoGpuError, settle
+from vllm_graph_sleep.bench.runner import Progress
+from vllm_graph_sleep.bench.server import ServerError
+from vllm_graph_sleep.testing import PROMPTS, model_dir
 
 #: (level, wake) of cycles 1, 2, 3, 4, then again: levels alternate every cycle
 #: and each level alternates its wake.

@@ -36,13 +36,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's tests package
-
-from tests.engine_utils import PROMPTS, model_dir  # noqa: E402
-from vllm_graph_sleep.bench import live  # noqa: E402
-from vllm_graph_sleep.bench.gpu import MemorySource, NoGpuError, settle, wait_released  # noqa: E402
-from vllm_graph_sleep.bench.runner import Progress  # noqa: E402
-from vllm_graph_sleep.bench.server import ServerError  # noqa: E402
+from vllm_graph_sleep.bench import live
+from vllm_graph_sleep.bench.gpu import MemorySource, NoGpuError, settle, wait_released
+from vllm_graph_sleep.bench.runner import Progress
+from vllm_graph_sleep.bench.server import ServerError
+from vllm_graph_sleep.testing import PROMPTS, model_dir
 
 MiB = live.MiB
 GiB = 1024 * MiB

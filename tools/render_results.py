@@ -15,7 +15,8 @@ Output: index.md plus one SVG bar chart per recognised benchmark file, named
 after it (<stem>.svg). The output depends on the input files only (no clock, no
 host, sorted listings, fixed number formats), so rendering twice gives the same
 bytes; tests/unit/test_render_results.py checks that the committed files are
-what this script renders. Standard library only.
+what this script renders. Standard library only, plus this package's bench
+report for `vllm-graph-sleep bench` results (the same table the bench prints).
 
     python tools/render_results.py              # rewrite docs/results/index.md and the charts
     python tools/render_results.py --check      # exit 1 if they are out of date
@@ -601,26 +602,21 @@ def is_bench_run(data: Any) -> bool:
     )
 
 
-def _per_gpu(values: Any, digits: int = 0) -> str:
-    if not isinstance(values, list) or not values:
-        return "-"
-    return " / ".join(fixed(v, digits) for v in values)
-
-
 def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
+    # The same rows, labels and ratios as `vllm-graph-sleep bench` prints.
+    from vllm_graph_sleep.bench.report import CONFIG_LABELS, RATIO_NOTE, table_rows
+
     title = f"`vllm-graph-sleep bench`: stock vs graph offload over HTTP ({name})"
-    summary = data["summary"]
     settings = data.get("settings") or {}
     host = data.get("host") or {}
-    configs = [c for c in ("ours", "stock_graphs", "stock_eager") if c in summary]
-    configs += sorted(c for c in summary if c not in configs)
     levels = [str(level) for level in settings.get("levels") or LEVELS]
     wakes = list(settings.get("wakes") or ("full", "staged"))
+    names, rows, baseline = table_rows(data)
     lines = [
         "A real `vllm serve` per configuration, driven over HTTP: greedy completions, "
         "`/sleep`, `/wake_up` (full, or `weights` then `kv_cache` with `reload_weights` "
-        "after level 2). Memory is NVML used memory minus the idle GPU before the server "
-        "started, one figure per GPU (`a / b`); medians over the cycles.",
+        f"after level 2). {RATIO_NOTE}"
+        + (f" Ratios against {CONFIG_LABELS.get(baseline, baseline)}." if baseline else ""),
         "",
         *provenance(data),
         f"- Model: {code(str(data.get('model')))}, tp {settings.get('tp')}, "
@@ -634,30 +630,7 @@ def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
         ),
         "",
     ]
-    rows: list[list[str]] = []
-
-    def row(label: str, cell: Callable[[Json], str]) -> None:
-        rows.append([label, *[cell(summary[c]) for c in configs]])
-
-    row("engine start (s)", lambda s: fixed(s.get("start_s"), 1))
-    row("awake (MiB)", lambda s: _per_gpu(s.get("awake_mib")))
-    for level in levels:
-        row(f"asleep, level {level} (MiB)", lambda s, lv=level: _per_gpu(s["asleep_mib"].get(lv)))
-    tags = sorted({tag for c in configs for tag in summary[c].get("tags_awake_mib") or {}})
-    for tag in tags:
-        row(
-            f"tag {tag}, awake (MiB)",
-            lambda s, t=tag: _per_gpu((s.get("tags_awake_mib") or {}).get(t)),
-        )
-    for level in levels:
-        row(f"sleep, level {level} (ms)", lambda s, lv=level: fixed(s["sleep_ms"].get(lv), 0))
-        for wake in wakes:
-            key = f"{level} {wake}"
-            row(f"wake, level {key} (ms)", lambda s, k=key: fixed(s["wake_ms"].get(k), 0))
-    row("decode before 1st sleep (tok/s)", lambda s: fixed(s["decode_tps"].get("before"), 0))
-    row("decode after last wake (tok/s)", lambda s: fixed(s["decode_tps"].get("after"), 0))
-    row("bit-exact after wake", lambda s: "{}/{}".format(*s["exact"]))
-    lines += table(["", *[code(c) for c in configs]], rows)
+    lines += table(["", *[code(c) for c in names]], rows)
     plot = f"{Path(name).stem}.png"
     lines += ["", f"![GPU memory through the cycles]({plot})"]
     return Section(title, name, lines, "cuda" if host.get("gpus") else None)

@@ -2,8 +2,10 @@
 
 `register` is the `vllm.general_plugins` entry point. vLLM calls it once in
 every process it starts (API server, engine core, workers); it is idempotent.
-It registers our sleep-mode backend and applies the patches listed in
-`vllm_graph_sleep.patches`; each patch calls straight through to vLLM unless
+It registers our sleep-mode backend and installs the patches listed in
+`vllm_graph_sleep.patches`, each applied when its vLLM module is imported in
+that process (so the API server does not import the GPU worker, nor a worker
+the HTTP routes); each patch calls straight through to vLLM unless
 `--sleep-mode-offload-cudagraph` is active in that process.
 """
 
@@ -17,11 +19,11 @@ def register() -> None:
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
     from vllm_graph_sleep.config import BACKEND_NAME
-    from vllm_graph_sleep.patches import apply_all
+    from vllm_graph_sleep.patches import install
 
     if BACKEND_NAME not in SleepModeBackendFactory._registry:
         SleepModeBackendFactory.register_backend(
             BACKEND_NAME, "vllm_graph_sleep.backend", "GraphSleepBackend"
         )
-    apply_all()
+    install()
     _registered = True

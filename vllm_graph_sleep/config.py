@@ -54,6 +54,15 @@ def _cudagraphs_off(vllm_config: Any) -> bool:
     return mode is not None and getattr(mode, "name", str(mode)) == "NONE"
 
 
+def platform_name(platform: Any) -> str:
+    """The one name we print for a platform: cuda, rocm, or vLLM's class name for
+    the others (cpu, xpu, ...), and "none" where vLLM detected no platform."""
+    if platform.is_cuda_alike():
+        return "rocm" if platform.is_rocm() else "cuda"
+    name = type(platform).__name__.removesuffix("Platform").lower()
+    return "none" if name == "unspecified" else name
+
+
 def evaluate_gate(vllm_config: Any, platform: Any = None) -> Gate:
     """Active iff the flag, sleep mode, CUDA graphs and a CUDA or ROCm platform."""
     requested = flag_requested(vllm_config)
@@ -67,7 +76,7 @@ def evaluate_gate(vllm_config: Any, platform: Any = None) -> Gate:
     elif _cudagraphs_off(vllm_config):
         reason = "CUDA graphs are off (--enforce-eager or cudagraph_mode NONE): nothing to offload"
     elif not platform.is_cuda_alike():
-        reason = f"platform {type(platform).__name__} is neither CUDA nor ROCm"
+        reason = f"platform {platform_name(platform)} is neither CUDA nor ROCm"
     else:
         return Gate(active=True, requested=True)
     return Gate(active=False, requested=True, reason=reason)

@@ -1,22 +1,29 @@
 """`vllm-graph-sleep doctor [--platform detected|cuda|rocm] [vllm serve args...]`.
 
 Reads the arguments with vLLM's own `vllm serve` parser (our plugin registered
-first, so --sleep-mode-offload-cudagraph exists), builds the EngineArgs but not
-the engine config (that needs a GPU and the model), and says what a server
-started with these arguments would do: whether graph offload is active and why
-not, what each sleep level keeps and drops per tag, NCCL_GRAPH_REGISTER, the
-custom all-reduce mode, and the versions found. Needs no GPU. Exits 1, naming
-the fix, for a configuration that cannot work; 2 for arguments vLLM rejects.
+first, so --sleep-mode-offload-cudagraph exists), builds the EngineArgs, and
+resolves the compilation and parallel settings with vLLM's own VllmConfig (its
+optimization-level defaults and the rules that turn graphs off), on a stand-in
+for the CUDA or ROCm platform, so the verdict follows what the engine does
+rather than a copy of its rules. The model itself is not loaded (that needs the
+GPU): a local model path is checked to exist, a Hub id is not fetched. It says
+what a server started with these arguments would do: whether graph offload is
+active and why not, what each sleep level keeps and drops per tag,
+NCCL_GRAPH_REGISTER, the custom all-reduce mode, and the versions found. Needs
+no GPU. Exits 1, naming the fix, for a configuration that cannot work; 2, with
+one line, for arguments vLLM rejects.
 
-The platform is the one detected here unless --platform plans for CUDA or ROCm
-from another machine. CUDA graphs are judged from the arguments (--enforce-eager,
-cudagraph_mode, -O0); vLLM can still turn them off at start for reasons of the
-model or the GPU, and the server then logs why and the plugin warns.
+The platform is the one detected here when it is CUDA or ROCm. Without a GPU
+and without --platform, the answer is given for both (only the lines that
+differ are repeated per platform). vLLM can still turn graphs off at start for
+reasons of the model (e.g. a model class without graph support), and the
+server then logs why and the plugin warns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -26,17 +33,25 @@ import sys
 from collections.abc import Iterator, MutableMapping, Sequence
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
+
+from vllm_graph_sleep.allocator import (
+    DEFAULT_TAG,
+    GRAPH_TAG,
+    KV_CACHE_TAG,
+    RUNTIME_TAG,
+    WEIGHTS_TAG,
+)
 
 PLATFORM_CHOICES = ("detected", "cuda", "rocm")
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "graph_sleep"
-TAGS = ("weights", "kv_cache", "cudagraph", "runtime", "default")
 TAG_NOTES = {
-    "weights": "model weights",
-    "kv_cache": "KV cache",
-    "cudagraph": "CUDA/HIP graph pool",
-    "runtime": "state built with the KV cache (attention metadata, block tables)",
-    "default": "other sleep-mode memory",
+    WEIGHTS_TAG: "model weights",
+    KV_CACHE_TAG: "KV cache",
+    GRAPH_TAG: "CUDA/HIP graph pool",
+    RUNTIME_TAG: "state built with the KV cache (attention metadata, block tables)",
+    DEFAULT_TAG: "other sleep-mode memory",
 }
 USAGE = """\
 usage: vllm-graph-sleep doctor [--platform {detected,cuda,rocm}] [vllm serve args...]
@@ -47,7 +62,8 @@ and drops per tag, NCCL_GRAPH_REGISTER, the custom all-reduce mode, versions.
 No GPU needed. Exit 0: works; 1: cannot work (the fix is printed); 2: vLLM
 rejects the arguments.
 
-  --platform P   detected (default): the platform of this machine;
+  --platform P   detected (default): the platform of this machine, or both
+                 cuda and rocm where this machine has no GPU;
                  cuda, rocm: plan for that platform from any machine
   serve args     exactly what you would give `vllm serve` (a leading `serve` is
                  skipped), e.g. MODEL --enable-sleep-mode --sleep-mode-offload-cudagraph
@@ -88,8 +104,8 @@ class Diagnosis:
 
 
 def split_args(argv: Sequence[str]) -> tuple[str, list[str], bool]:
-    """(--platform value, the vllm serve arguments, whether help was asked)."""
-    platform = "detected"
+    """(--platform value or None, the vllm serve arguments, whether help was asked)."""
+    platform = None
     rest: list[str] = []
     wants_help = False
     items = list(argv)
@@ -111,7 +127,7 @@ def split_args(argv: Sequence[str]) -> tuple[str, list[str], bool]:
         else:
             rest.append(item)
         i += 1
-    if platform not in PLATFORM_CHOICES:
+    if platform is not None and platform not in PLATFORM_CHOICES:
         raise DoctorUsageError(
             f"--platform {platform!r}: choose one of {', '.join(PLATFORM_CHOICES)}"
         )
@@ -145,22 +161,29 @@ def detect_platform() -> Any:
 def platform_label(platform: Any) -> str:
     if isinstance(platform, PlannedPlatform):
         return platform.name
-    if platform.is_cuda_alike():
-        return "rocm" if platform.is_rocm() else "cuda"
-    name = type(platform).__name__.removesuffix("Platform").lower()
-    return "none" if name == "unspecified" else name
+    from vllm_graph_sleep.config import platform_name
+
+    return platform_name(platform)
 
 
-def _allow_parsing_without_gpu(platform: Any) -> None:
+@contextlib.contextmanager
+def _parsable_without_gpu(platform: Any) -> Iterator[None]:
     """vLLM's argument defaults build a DeviceConfig, which cannot infer a device
     when no platform was detected; the CPU platform is what such a machine is
-    (the same approach as tests/unit/force_cpu_platform.py). Arguments only: the
-    gate is judged against the detected or planned platform."""
-    if getattr(platform, "device_type", "") == "":
-        import vllm.platforms as platforms
-        from vllm.platforms.cpu import CpuPlatform
+    (the same approach as tests/unit/force_cpu_platform.py), for parsing only:
+    the gate is judged against the detected or planned platform."""
+    if getattr(platform, "device_type", "") != "":
+        yield
+        return
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
 
-        platforms._current_platform = CpuPlatform()
+    previous = platforms._current_platform
+    platforms._current_platform = CpuPlatform()
+    try:
+        yield
+    finally:
+        platforms._current_platform = previous
 
 
 def parse_serve_args(serve_args: Sequence[str]) -> Any:
@@ -172,7 +195,13 @@ def parse_serve_args(serve_args: Sequence[str]) -> Any:
     from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm-graph-sleep doctor"))
+    class OneLineErrors(FlexibleArgumentParser):
+        """A bad flag or bad JSON is one line, not vLLM's whole usage text."""
+
+        def error(self, message: str):
+            raise DoctorUsageError(f"vllm serve would reject these arguments: {_one_line(message)}")
+
+    parser = make_arg_parser(OneLineErrors(prog="vllm-graph-sleep doctor"))
     args = parser.parse_args(list(serve_args))
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag
@@ -181,6 +210,89 @@ def parse_serve_args(serve_args: Sequence[str]) -> Any:
         return AsyncEngineArgs.from_cli_args(args)
     except (TypeError, ValueError) as error:
         raise DoctorUsageError(f"vllm serve would reject these arguments: {error}") from None
+
+
+class _StandIn:
+    """What vLLM's config resolution asks of the platform, answered as CUDA and
+    ROCm answer it (graphs supported) without a GPU here; vLLM's own CUDA
+    platform cannot even be imported without the driver."""
+
+    def __new__(cls, planned: PlannedPlatform):
+        from vllm.platforms.interface import Platform, PlatformEnum
+
+        class StandIn(Platform):
+            _enum = PlatformEnum.ROCM if planned.is_rocm() else PlatformEnum.CUDA
+            device_name = device_type = "cuda"
+            dispatch_key = "CUDA"
+
+            @classmethod
+            def support_static_graph_mode(cls) -> bool:
+                return True
+
+        return StandIn()
+
+
+def _one_line(message: str) -> str:
+    """pydantic's multi-line messages (with a documentation URL) as one line."""
+    parts = [p.strip() for p in message.splitlines() if p.strip()]
+    return " ".join(p for p in parts if "errors.pydantic.dev" not in p)
+
+
+def _validation_text(error: Exception) -> str:
+    errors = getattr(error, "errors", None)
+    if callable(errors):  # pydantic: field and message, without the URL lines
+        return "; ".join(
+            f"{'.'.join(map(str, e.get('loc', ()))) or 'value'}: {e.get('msg')}" for e in errors()
+        )
+    return _one_line(str(error))
+
+
+def resolve(engine_args: Any, platform: Any) -> Any:
+    """vLLM's own VllmConfig for these arguments (compilation and parallel
+    settings; no model, which would need the GPU and the weights)."""
+    import vllm.platforms as platforms
+    from vllm.config import ParallelConfig, VllmConfig
+
+    planned = platform if isinstance(platform, PlannedPlatform) else None
+    if planned is None:  # a detected platform: resolve as its kind, CUDA for a non-GPU one
+        planned = PlannedPlatform("rocm" if platform.is_rocm() else "cuda")
+    stand_in = _StandIn(planned)
+    previous = platforms._current_platform
+    platforms._current_platform = stand_in
+    # A GPU host has Triton (model runner V2 requires it); this one may have
+    # disabled it for want of a driver.
+    has_triton = mock.patch.object(sys.modules[VllmConfig.__module__], "HAS_TRITON", True)
+    try:
+        parallel = ParallelConfig(
+            tensor_parallel_size=engine_args.tensor_parallel_size,
+            pipeline_parallel_size=engine_args.pipeline_parallel_size,
+            data_parallel_size=engine_args.data_parallel_size,
+        )
+        # A copy: VllmConfig resolves the compilation config in place, and the
+        # arguments as given are still needed to name the fix.
+        with has_triton:
+            return VllmConfig(
+                compilation_config=copy.deepcopy(engine_args.compilation_config),
+                optimization_level=engine_args.optimization_level,
+                parallel_config=parallel,
+            )
+    except (TypeError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+        raise DoctorUsageError(
+            f"vllm serve would reject these arguments: {_validation_text(error)}"
+        ) from None
+    finally:
+        platforms._current_platform = previous
+
+
+def model_problem(model: str) -> str | None:
+    """A model given as a local path that is not there (vLLM would take it for a
+    Hub id and fail at start); Hub ids are not fetched here."""
+    if os.path.exists(os.path.expanduser(model)):
+        return None
+    looks_local = model.startswith(("/", "./", "../", "~")) or model.count("/") > 1
+    if looks_local:
+        return f"model {model!r}: no such file or folder"
+    return None
 
 
 # -- what the arguments mean ----------------------------------------------------
@@ -192,8 +304,8 @@ def _mode_name(mode: Any) -> str | None:
     return str(getattr(mode, "name", mode)).upper()
 
 
-def graphs_state(engine_args: Any) -> tuple[bool, str, str]:
-    """(CUDA graphs on, why, how to turn them on) from the arguments alone."""
+def graphs_state(engine_args: Any, resolved: Any) -> tuple[bool, str, str]:
+    """(CUDA graphs on, why, how to turn them on), as vLLM resolved the config."""
     if engine_args.enforce_eager:
         return (
             False,
@@ -201,32 +313,32 @@ def graphs_state(engine_args: Any) -> tuple[bool, str, str]:
             "drop --enforce-eager (without CUDA graphs there is no graph memory to offload; "
             "stock sleep mode already frees everything)",
         )
-    compilation = engine_args.compilation_config
-    mode = _mode_name(getattr(compilation, "cudagraph_mode", None))
-    if mode == "NONE":
-        return (
-            False,
-            "cudagraph_mode NONE",
-            "drop cudagraph_mode NONE from -cc/--compilation-config",
-        )
+    compilation = resolved.compilation_config
+    mode = _mode_name(compilation.cudagraph_mode)
+    if mode != "NONE":
+        return True, f"cudagraph_mode {mode} (as vLLM resolves these arguments)", ""
+    asked = _mode_name(getattr(engine_args.compilation_config, "cudagraph_mode", None))
+    if asked == "NONE":
+        fix = "drop cudagraph_mode NONE from -cc/--compilation-config"
+        return False, "cudagraph_mode NONE", fix
     level = engine_args.optimization_level
     level = getattr(level, "value", level)
-    if mode is None and str(level) == "0":
-        return (
-            False,
-            "-O0 (its cudagraph_mode is NONE)",
-            "use -O1 or higher, or set -cc.cudagraph_mode explicitly",
-        )
-    return True, f"cudagraph_mode {mode}" if mode else "vLLM's default cudagraph_mode", ""
+    compile_mode = _mode_name(compilation.mode)
+    why = f"vLLM resolves cudagraph_mode to NONE (compilation mode {compile_mode}, -O{level})"
+    return (
+        False,
+        why,
+        "use -O1 or higher, or compilation mode 3 (VLLM_COMPILE) with the cudagraph_mode you "
+        "want; cudagraph_mode FULL_DECODE_ONLY also works without compilation",
+    )
 
 
-def full_mode_warning(engine_args: Any) -> str | None:
+def full_mode_warning(resolved: Any) -> str | None:
     """cudagraph_mode FULL gave wrong tokens on both of vLLM 0.26's model runners, stock
     vLLM included, with or without sleep (docs/results/engine-h200.md, third and fourth
     runs): V2 replays FULL graphs captured with one token per request on short prefills;
     V1 decoded a Qwen3-MoE-shaped model wrongly where FULL_DECODE_ONLY decoded it right."""
-    mode = _mode_name(getattr(engine_args.compilation_config, "cudagraph_mode", None))
-    if mode != "FULL":
+    if _mode_name(resolved.compilation_config.cudagraph_mode) != "FULL":
         return None
     return (
         "cudagraph_mode FULL gives wrong tokens in vLLM 0.26, stock vLLM too, with or without "
@@ -248,21 +360,23 @@ def gate_config(engine_args: Any, graphs_on: bool) -> SimpleNamespace:
     )
 
 
-def level_policy(active: bool) -> list[tuple[str, str]]:
+def level_policy(active: bool, graphs_on: bool) -> list[tuple[str, str]]:
     """Per level: what it keeps (backed up to pinned host memory, restored in
     place on wake) and drops (discarded, refilled after wake)."""
     from vllm_graph_sleep.backend import SLEEP_LEVELS, offload_tags_for
 
+    tags = set(TAG_NOTES)
+    graphs = "CUDA graphs stay on the GPU (stock)" if graphs_on else "no CUDA graphs"
     rows = []
     for level in SLEEP_LEVELS:
         if active:
-            kept = offload_tags_for(level, set(TAGS))
-            dropped = sorted(set(TAGS) - set(kept))
+            kept = offload_tags_for(level, tags)
+            dropped = sorted(tags - set(kept))
             text = f"keeps {', '.join(kept)}; drops {', '.join(dropped)}"
         elif level == 1:
-            text = "keeps weights; drops kv_cache; CUDA graphs stay on the GPU (stock)"
+            text = f"keeps weights; drops kv_cache; {graphs}"
         else:
-            text = "drops weights, kv_cache; CUDA graphs stay on the GPU (stock)"
+            text = f"drops weights, kv_cache; {graphs}"
         if level == 2:
             text += "; after wake_up(weights): reload_weights, then wake_up(kv_cache)"
         rows.append((f"  level {level}", text))
@@ -293,8 +407,12 @@ def nccl_graph_register(active: bool, environ: MutableMapping[str, str]) -> str:
     )
 
 
-def _truthy_env(environ: MutableMapping[str, str], name: str, default: str) -> bool:
-    return environ.get(name, default).strip().lower() in ("1", "true")
+def _vllm_env(environ: MutableMapping[str, str], name: str) -> Any:
+    """vLLM's own reading of one of its environment variables, in `environ`."""
+    import vllm.envs as envs
+
+    with mock.patch.dict(os.environ, environ, clear=True):
+        return envs.environment_variables[name]()
 
 
 def _aiter_installed() -> bool:
@@ -347,8 +465,8 @@ def all_reduce_mode(
         return "disabled by --disable-custom-all-reduce (NCCL all-reduce; nothing registered)"
     aiter = (
         platform.is_rocm()
-        and _truthy_env(environ, "VLLM_ROCM_USE_AITER", "false")
-        and _truthy_env(environ, "VLLM_ROCM_USE_AITER_CUSTOM_AR", "true")
+        and _vllm_env(environ, "VLLM_ROCM_USE_AITER")
+        and _vllm_env(environ, "VLLM_ROCM_USE_AITER_CUSTOM_AR")
     )
     if aiter:
         if not active:
@@ -448,7 +566,8 @@ def diagnose(
 
     environ = os.environ if environ is None else environ
     diag = Diagnosis()
-    graphs_on, graphs_why, graphs_fix = graphs_state(engine_args)
+    resolved = resolve(engine_args, platform)
+    graphs_on, graphs_why, graphs_fix = graphs_state(engine_args, resolved)
     gate = config.evaluate_gate(gate_config(engine_args, graphs_on), platform)
     cuda_alike = platform.is_cuda_alike()
 
@@ -457,7 +576,12 @@ def diagnose(
         "sleep mode", "on" if engine_args.enable_sleep_mode else "off (no --enable-sleep-mode)"
     )
     diag.add("CUDA graphs", f"{'on' if graphs_on else 'off'}: {graphs_why}")
-    full_mode = full_mode_warning(engine_args)
+    missing_model = model_problem(engine_args.model)
+    if missing_model:
+        diag.problems.append(
+            (missing_model, "give the folder that holds the model's config.json, or a Hub id")
+        )
+    full_mode = full_mode_warning(resolved)
     if full_mode:
         diag.warnings.append(full_mode)
     if gate.active:
@@ -499,7 +623,7 @@ def diagnose(
         "keeps = backed up to pinned host memory and restored in place; drops = discarded. "
         "Tags: " + ", ".join(f"{t} ({n})" for t, n in TAG_NOTES.items()),
     )
-    for label, text in level_policy(gate.active):
+    for label, text in level_policy(gate.active, graphs_on):
         diag.add(label, text)
     diag.add("NCCL_GRAPH_REGISTER", nccl_graph_register(gate.active, environ))
     diag.add(
@@ -526,6 +650,38 @@ def render(diag: Diagnosis) -> str:
     return "\n".join(out)
 
 
+def merge(per_platform: dict[str, Diagnosis]) -> Diagnosis:
+    """One diagnosis for several platforms: a line, warning or problem that is the
+    same on all of them once; one that differs once per platform, labelled."""
+    names = list(per_platform)
+    diags = list(per_platform.values())
+    merged = Diagnosis()
+    for rows in zip(*(d.lines for d in diags), strict=True):
+        if len({text for _, text in rows}) == 1:
+            merged.lines.append(rows[0])
+        else:
+            merged.lines += [
+                (f"{label} ({n})", text) for n, (label, text) in zip(names, rows, strict=True)
+            ]
+
+    def tagged(items_of) -> list:
+        out = []
+        for name, diag in per_platform.items():
+            for item in items_of(diag):
+                everywhere = all(item in items_of(d) for d in diags)
+                if everywhere and item not in out:
+                    out.append(item)
+                elif isinstance(item, str):
+                    out.append(f"{name}: {item}")
+                elif not everywhere:
+                    out.append((f"{name}: {item[0]}", item[1]))
+        return out
+
+    merged.warnings = tagged(lambda d: d.warnings)
+    merged.problems = tagged(lambda d: d.problems)
+    return merged
+
+
 def main(argv: Sequence[str]) -> int:
     try:
         platform_choice, serve_args, wants_help = split_args(argv)
@@ -537,17 +693,30 @@ def main(argv: Sequence[str]) -> int:
         return 0
     with _quiet_imports():
         detected = detect_platform()
-        _allow_parsing_without_gpu(detected)
         try:
-            engine_args = parse_serve_args(serve_args)
+            with _parsable_without_gpu(detected):
+                engine_args = parse_serve_args(serve_args)
+            if platform_choice is None and not detected.is_cuda_alike():
+                # No GPU here and no --platform: answer for both GPU platforms.
+                note = (
+                    f"this machine: {platform_label(detected)}, so answered for both; "
+                    "--platform cuda or --platform rocm picks one"
+                )
+                per_platform = {
+                    name: diagnose(engine_args, PlannedPlatform(name), note)
+                    for name in ("cuda", "rocm")
+                }
+                diag = merge(per_platform)
+                diag.lines = [("platform", f"cuda and rocm ({note})")] + [
+                    line for line in diag.lines if not line[0].startswith("platform")
+                ]
+            elif platform_choice in (None, "detected"):
+                diag = diagnose(engine_args, detected, "detected on this machine")
+            else:
+                note = f"planned with --platform; this machine: {platform_label(detected)}"
+                diag = diagnose(engine_args, PlannedPlatform(platform_choice), note)
         except DoctorUsageError as error:
             print(f"vllm-graph-sleep doctor: {error}", file=sys.stderr)
             return 2
-    if platform_choice == "detected":
-        platform, note = detected, "detected on this machine"
-    else:
-        platform = PlannedPlatform(platform_choice)
-        note = f"planned with --platform; this machine: {platform_label(detected)}"
-    diag = diagnose(engine_args, platform, note)
     print(render(diag))
     return 1 if diag.problems else 0

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_utils import CYCLES, PROMPTS, model_dir
 from tests.utils import requires_gpu
+from vllm_graph_sleep.testing import CYCLES, PROMPTS, model_dir
 
 pytestmark = [requires_gpu, pytest.mark.distributed(num_gpus=2)]
 

@@ -12,7 +12,8 @@ import importlib.util
 
 import pytest
 
-from tests.engine_utils import (
+from tests.utils import fresh_process, requires_gpu
+from vllm_graph_sleep.testing import (
     CYCLES,
     greedy_tokens,
     mapped,
@@ -21,7 +22,6 @@ from tests.engine_utils import (
     sleep_wake_cycles,
     start_engine,
 )
-from tests.utils import fresh_process, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.distributed(num_gpus=2)]
 

@@ -25,7 +25,7 @@ import torch
 
 from tests.unit import fake_aiter
 from tests.unit.fake_vllm_server import IDLE
-from vllm_graph_sleep import cli, doctor
+from vllm_graph_sleep import cli, config, doctor
 from vllm_graph_sleep.bench import gpu, report, runner
 from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, serve_command, server_env
@@ -144,11 +144,11 @@ def test_serve_command_per_config(config):
 @pytest.mark.parametrize("config", ["ours", "stock_graphs", "stock_eager"])
 def test_serve_command_is_what_vllm_serve_parses(config):
     """The arguments go through vLLM 0.26's own `vllm serve` parser (plugin on)."""
-    doctor._allow_parsing_without_gpu(doctor.detect_platform())
     command = serve_command(
         config, "/m", 8123, tp=1, gpu_memory_utilization=0.3, max_model_len=1024
     )
-    engine_args = doctor.parse_serve_args(command[4:])
+    with doctor._parsable_without_gpu(doctor.detect_platform()):
+        engine_args = doctor.parse_serve_args(command[4:])
     assert engine_args.model == "/m"
     assert engine_args.enable_sleep_mode is True
     assert engine_args.worker_extension_cls == PROBE_EXTENSION
@@ -512,6 +512,7 @@ def test_doctor_split_args():
         False,
     )
     assert doctor.split_args(["--platform=cuda", "--help"]) == ("cuda", [], True)
+    assert doctor.split_args(["m"]) == (None, ["m"], False)
     with pytest.raises(doctor.DoctorUsageError, match="choose one of"):
         doctor.split_args(["--platform", "tpu"])
     with pytest.raises(doctor.DoctorUsageError, match="needs a value"):
@@ -559,6 +560,57 @@ def test_doctor_flag_with_enforce_eager(capsys):
     assert code == 1
     assert line_of(out, "CUDA graphs").split()[2:] == ["off:", "--enforce-eager"]
     assert "fix: drop --enforce-eager" in out
+    for level in ("  level 1", "  level 2"):
+        assert "no CUDA graphs" in line_of(out, level)
+        assert "stay on the GPU" not in line_of(out, level)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("-O0", "-cc.cudagraph_mode=PIECEWISE"),  # PIECEWISE needs compilation; -O0 has none
+        ("--compilation-config", '{"mode": 0}'),
+    ],
+)
+def test_doctor_follows_vllms_resolution_of_graphs(capsys, args):
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, *args)
+    assert code == 1, out
+    assert "vLLM resolves cudagraph_mode to NONE" in line_of(out, "CUDA graphs")
+    assert line_of(out, "graph offload").split()[2] == "OFF:"
+
+
+def test_doctor_full_decode_only_needs_no_compilation(capsys):
+    code, out = run_doctor(
+        capsys, "--platform", "cuda", *ACTIVE, "-O0", "-cc.cudagraph_mode=FULL_DECODE_ONLY"
+    )
+    assert code == 0, out
+    assert "ACTIVE" in line_of(out, "graph offload")
+
+
+def test_doctor_explicit_no_flag_wins_over_additional_config(capsys):
+    extra = '{"sleep_mode_offload_cudagraph": true}'
+    code, out = run_doctor(
+        capsys,
+        "--platform",
+        "cuda",
+        "m",
+        "--enable-sleep-mode",
+        "--additional-config",
+        extra,
+        "--no-sleep-mode-offload-cudagraph",
+    )
+    assert code == 0
+    assert "not requested" in line_of(out, "graph offload")
+
+
+def test_doctor_names_a_missing_model_folder(capsys, tmp_path):
+    code, out = run_doctor(
+        capsys, "--platform", "cuda", str(tmp_path / "nope"), "--enable-sleep-mode"
+    )
+    assert code == 1
+    assert f"model '{tmp_path / 'nope'}': no such file or folder" in out
+    code, out = run_doctor(capsys, "--platform", "cuda", str(tmp_path), "--enable-sleep-mode")
+    assert code == 0, out
 
 
 @pytest.mark.parametrize(
@@ -669,18 +721,41 @@ def test_doctor_vllm_plugins_without_ours(capsys, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
-def test_doctor_on_this_gpu_less_machine(capsys):
-    code, out = run_doctor(capsys, *ACTIVE)
+def test_doctor_on_this_gpu_less_machine_answers_for_cuda_and_rocm(capsys):
+    code, out = run_doctor(capsys, *ACTIVE, "-tp", "2")
+    assert code == 0, out
+    here = config.platform_name(doctor.detect_platform())
+    assert f"cuda and rocm (this machine: {here}, so answered for both" in line_of(out, "platform")
+    assert "ACTIVE" in line_of(out, "graph offload")
+    assert "QuickReduce" not in line_of(out, "custom all-reduce (cuda)")
+    assert "QuickReduce" in line_of(out, "custom all-reduce (rocm)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
+def test_doctor_detected_platform_on_a_gpu_less_machine(capsys):
+    code, out = run_doctor(capsys, "--platform", "detected", *ACTIVE)
     assert code == 1
-    assert "detected on this machine" in line_of(out, "platform")
+    here = config.platform_name(doctor.detect_platform())
+    assert line_of(out, "platform").split()[1:3] == [here, "(detected"]
+    assert f"platform {here} is neither CUDA nor ROCm" in line_of(out, "graph offload")
     assert "add --platform cuda or --platform rocm" in out
 
 
-def test_doctor_rejects_what_vllm_serve_rejects(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        doctor.main(["--platform", "cuda", "m", "--no-such-vllm-flag"])
-    assert exit_info.value.code == 2
-    assert "--no-such-vllm-flag" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (("m", "--no-such-vllm-flag"), "unrecognized arguments: --no-such-vllm-flag"),
+        (("m", "--compilation-config", "{bad"), "Invalid JSON"),
+        (("m", "-tp", "0"), "tensor_parallel_size: Input should be greater than or equal to 1"),
+    ],
+)
+def test_doctor_rejects_what_vllm_serve_rejects_in_one_line(capsys, argv, error):
+    code = doctor.main(["--platform", "cuda", *argv])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("vllm-graph-sleep doctor: vllm serve would reject")
+    assert error in captured.err
 
 
 def test_doctor_help(capsys):

@@ -83,31 +83,47 @@ def vllm_comm(monkeypatch):
     comm.max_size = 8192 * 1024
     comm.buffer_ptrs = STAGING
     comm.launches = launches
+    # capture() exports the recorded graph inputs at exit; no peers here.
+    comm.register_graph_buffers = lambda: None
     yield comm
     comm._ptr = 0  # close() from __del__ must not dispose the fake handle
 
 
 def test_vllm_capture_stages_through_the_ipc_buffer_when_active(gate, stream, vllm_comm):
     gate(True)
-    vllm_comm._IS_CAPTURING = stream.capturing = True
     x = hidden()
-    out = vllm_comm.custom_all_reduce(x)
-    assert vllm_comm.launches == [(HANDLE, STAGING[1], vllm_comm.max_size)]
-    assert out.shape == x.shape and out.dtype == x.dtype
-    vllm_comm.custom_all_reduce(x)
+    with vllm_comm.capture():
+        stream.capturing = True
+        out = vllm_comm.custom_all_reduce(x)
+        assert vllm_comm.launches == [(HANDLE, STAGING[1], vllm_comm.max_size)]
+        assert out.shape == x.shape and out.dtype == x.dtype
+        vllm_comm.custom_all_reduce(x)
     assert ca_patch.captured_all_reduces(vllm_comm) == {"copy_in": 2, "registered": 0}
 
 
 @ACTIVE
 def test_vllm_captured_all_reduces_are_counted_only_when_active(gate, stream, vllm_comm, active):
     gate(active)
-    vllm_comm._IS_CAPTURING = stream.capturing = True
-    vllm_comm.all_reduce(hidden(), registered=True)  # what stock capture does
-    vllm_comm.all_reduce(hidden())
-    stream.capturing = False
-    vllm_comm.all_reduce(hidden())  # eager: not counted
+    with vllm_comm.capture():
+        vllm_comm.all_reduce(hidden())  # warm-up pass: the stream is not capturing
+        stream.capturing = True
+        vllm_comm.all_reduce(hidden(), registered=True)  # what stock capture does
+        vllm_comm.all_reduce(hidden())
     expected = {"copy_in": 1, "registered": 1} if active else {"copy_in": 0, "registered": 0}
     assert ca_patch.captured_all_reduces(vllm_comm) == expected
+
+
+def test_vllm_counting_stays_out_of_eager_all_reduces(gate, stream, vllm_comm):
+    """The counter is test instrumentation: it exists only inside capture(), so the
+    all_reduce of every eager step is vLLM's own method, not a wrapper."""
+    gate(True)
+    assert not is_wrapped(vllm_ca.CustomAllreduce.all_reduce)
+    with vllm_comm.capture():
+        assert "all_reduce" in vars(vllm_comm)
+    assert "all_reduce" not in vars(vllm_comm)
+    stream.capturing = True  # even a capture outside capture() is not counted
+    vllm_comm.all_reduce(hidden())
+    assert ca_patch.captured_all_reduces(vllm_comm) == {"copy_in": 0, "registered": 0}
 
 
 def test_vllm_capture_registers_the_input_when_inactive(gate, stream, vllm_comm):
@@ -147,9 +163,16 @@ def test_vllm_capture_declines_as_stock(gate, stream, vllm_comm, active, why):
     assert vllm_comm.launches == []
 
 
-def test_vllm_capture_context_is_kept_as_is():
-    """capture() still registers at exit; what it then exports is the staging buffer."""
-    assert not is_wrapped(vllm_ca.CustomAllreduce.capture)
+@ACTIVE
+def test_vllm_capture_context_still_registers_at_exit(gate, vllm_comm, active):
+    """capture() keeps its behaviour: it registers what was captured at exit (with
+    copy-in, that is the staging buffer) and clears the capturing flag."""
+    gate(active)
+    exports = []
+    vllm_comm.register_graph_buffers = lambda: exports.append(True)
+    with vllm_comm.capture():
+        assert vllm_comm._IS_CAPTURING
+    assert exports == [True] and not vllm_comm._IS_CAPTURING
     assert not is_wrapped(vllm_ca.CustomAllreduce.register_graph_buffers)
 
 

@@ -3,7 +3,6 @@ backend's level policy (CPU)."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import logging
 import pickle
@@ -298,13 +297,50 @@ def test_flag_from_llm_keyword_reaches_the_worker_config(tiny_model):
     assert not _reaches_worker(EngineArgs(model=tiny_model, skip_tokenizer_init=True))
 
 
-def test_negated_cli_flag_is_off():
-    namespace = argparse.Namespace(sleep_mode_offload_cudagraph=False)
-    engine_args = SimpleNamespace(additional_config=None)
-    from vllm_graph_sleep.patches.engine_arg_utils import fold_flag
+def _serve_engine_args(*argv: str):
+    """EngineArgs exactly as `vllm serve ARGV` builds them (parser and from_cli_args)."""
+    vllm_graph_sleep.register()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    fold_flag(engine_args, namespace.sleep_mode_offload_cudagraph)
-    assert engine_args.additional_config is None
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["m", *argv])
+    return AsyncEngineArgs.from_cli_args(args)
+
+
+JSON_ON = '{"sleep_mode_offload_cudagraph": true, "other": 1}'
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ((), None),
+        (("--sleep-mode-offload-cudagraph",), True),
+        (("--no-sleep-mode-offload-cudagraph",), False),
+        (("--additional-config", JSON_ON), True),
+        # An explicit flag wins over the JSON, in either order.
+        (("--additional-config", JSON_ON, "--no-sleep-mode-offload-cudagraph"), False),
+        (("--no-sleep-mode-offload-cudagraph", "--additional-config", JSON_ON), False),
+    ],
+)
+def test_serve_flag_forms(argv, expected):
+    additional = _serve_engine_args(*argv).additional_config or {}
+    assert additional.get(config.FLAG) == expected
+    if "--additional-config" in argv:
+        assert additional["other"] == 1  # the rest of the JSON is kept
+    assert config.flag_requested(SimpleNamespace(additional_config=additional)) == bool(expected)
+
+
+def test_llm_keyword_false_wins_over_additional_config():
+    vllm_graph_sleep.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    engine_args = EngineArgs(
+        model="m",
+        additional_config={config.FLAG: True},
+        sleep_mode_offload_cudagraph=False,
+    )
+    assert engine_args.additional_config == {config.FLAG: False}
 
 
 @pytest.mark.parametrize(

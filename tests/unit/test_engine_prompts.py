@@ -1,10 +1,10 @@
 """The FULL-mode prompts keep every prefill out of FULL graphs (see
-tests/engine_utils.FULL_MODE_PROMPTS): checked with the tokenizer the test
+vllm_graph_sleep/testing.FULL_MODE_PROMPTS): checked with the tokenizer the test
 models are made with."""
 
 from __future__ import annotations
 
-from tests.engine_utils import FULL_MODE_PROMPTS, LARGEST_CAPTURE_SIZE, PROMPTS, prompts_for
+from vllm_graph_sleep.testing import FULL_MODE_PROMPTS, LARGEST_CAPTURE_SIZE, PROMPTS, prompts_for
 
 KV_BLOCK_SIZE = 16  # vLLM's default block size for the FlashAttention backend
 

@@ -1,41 +1,50 @@
-"""The patch list and the patch files agree, and every patch follows the rules."""
+"""The patch list and the patch files agree, every patch follows the rules, and
+each process applies only the patches of the vLLM modules it imports."""
 
 import importlib
 import inspect
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from vllm_graph_sleep import patches
+from vllm_graph_sleep.patches._wrap import is_wrapped
 
 PATCH_DIR = Path(patches.__file__).parent
+ROOT = PATCH_DIR.parents[1]
 HEADER_FIELDS = ("Patch: vllm.", "Verified against vLLM 0.26.0", "Why:", "Remove when:")
 
 
 def test_every_patch_file_is_listed_and_every_listed_patch_exists():
     files = {p.stem for p in PATCH_DIR.glob("*.py") if not p.stem.startswith("_")}
-    assert files == set(patches.PATCH_MODULES)
+    assert files == set(patches.PATCHES)
 
 
-@pytest.mark.parametrize("name", patches.PATCH_MODULES)
+@pytest.mark.parametrize("name", patches.PATCHES)
 def test_patch_module_has_header_and_apply(name):
     module = importlib.import_module(f"vllm_graph_sleep.patches.{name}")
     doc = " ".join((module.__doc__ or "").split())
     for field in HEADER_FIELDS:
         assert field in doc, f"{name}: header lacks {field!r}"
-    # Named after the vLLM module it changes.
+    # Named after the vLLM module it changes, which is the module it waits for.
     patched = doc.split("Patch: ", 1)[1].split(" ", 1)[0]
+    assert patched == patches.PATCHES[name]
     assert patched.removeprefix("vllm.").replace(".", "_") == name
     assert importlib.util.find_spec(patched) is not None, f"{patched} is not a vLLM module"
     assert callable(module.apply) and not inspect.signature(module.apply).parameters
 
 
-def test_apply_all_is_idempotent():
+def test_apply_is_idempotent():
     from vllm.v1.worker import gpu_worker
 
-    patches.apply_all()
+    patches.apply("v1_worker_gpu_worker")
     first = (gpu_worker.Worker.init_device, gpu_worker.get_mem_allocator_instance)
-    patches.apply_all()
+    patches.apply("v1_worker_gpu_worker")
+    patches.install()
     assert (gpu_worker.Worker.init_device, gpu_worker.get_mem_allocator_instance) == first
 
 
@@ -43,9 +52,48 @@ def test_kv_init_split_is_wired_into_both_model_runners():
     from vllm.v1.worker import gpu_model_runner, gpu_worker
     from vllm.v1.worker.gpu import attn_utils
 
-    from vllm_graph_sleep.patches._wrap import is_wrapped
-
-    patches.apply_all()
+    for name in ("v1_worker_gpu_worker", "v1_worker_gpu_attn_utils", "v1_worker_gpu_model_runner"):
+        patches.apply(name)
     assert is_wrapped(gpu_worker.Worker._maybe_get_memory_pool_context)
     assert is_wrapped(attn_utils._allocate_kv_cache)  # V2, looked up as a module global
     assert is_wrapped(gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors)  # V1
+
+
+_PROCESS = """
+import json, sys
+import vllm.engine.arg_utils  # an API server has this when vLLM loads the plugins
+from vllm.plugins import load_general_plugins
+from vllm_graph_sleep.patches import PATCHES
+from vllm_graph_sleep.patches._wrap import is_wrapped
+
+load_general_plugins()
+report = {"imported_after_load": sorted(t for t in PATCHES.values() if t in sys.modules)}
+from vllm.engine.arg_utils import EngineArgs
+report["flag_added"] = is_wrapped(EngineArgs.add_cli_args)
+from vllm.v1.worker import gpu_worker, gpu_model_runner  # what a worker imports next
+from vllm.distributed.device_communicators import custom_all_reduce
+report["worker_patched"] = [
+    is_wrapped(gpu_worker.Worker.init_device),
+    is_wrapped(gpu_worker.get_mem_allocator_instance),
+    is_wrapped(gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors),
+    is_wrapped(custom_all_reduce.CustomAllreduce.custom_all_reduce),
+]
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_each_process_patches_only_what_it_imports():
+    """In a fresh process, as vLLM loads it: the plugin imports none of the vLLM
+    modules it patches except the one already there, and a worker module
+    imported later comes back patched."""
+    env = {**os.environ, "VLLM_PLUGINS": "graph_sleep", "VLLM_LOGGING_LEVEL": "ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _PROCESS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
+    report = json.loads(line.removeprefix("REPORT "))
+    assert report["imported_after_load"] == ["vllm.engine.arg_utils"]
+    assert report["flag_added"]
+    assert report["worker_patched"] == [True, True, True, True]

@@ -155,12 +155,13 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
     return rows
 
 
-def format_table(results: dict[str, Any]) -> str:
-    """One table, configurations side by side, each figure with its ratio to stock."""
+def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]], str | None]:
+    """The table as text cells: the configurations (columns), one row per figure
+    (label first; each figure with its ratio to the baseline), and the baseline.
+    `format_table` prints it; tools/render_results.py writes it as Markdown."""
     summaries = summarize_all(results)
     names = list(summaries)
     baseline = baseline_of(names)
-    header = ["", *[CONFIG_LABELS.get(n, n) for n in names]]
     lines: list[list[str]] = []
     for label, getter, fmt in _rows(summaries):
         values = [getter(summaries[n]) for n in names]
@@ -182,19 +183,30 @@ def format_table(results: dict[str, Any]) -> str:
         good, total = summaries[name]["exact"]
         exact.append(f"{good}/{total}" + ("" if good == total else " DIFFER"))
     lines.append(exact)
+    return names, lines, baseline
+
+
+RATIO_NOTE = (
+    "Memory: NVML used memory minus the idle GPU before the server started; medians over "
+    "the cycles."
+)
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """One table, configurations side by side, each figure with its ratio to stock."""
+    names, lines, baseline = table_rows(results)
+    header = ["", *[CONFIG_LABELS.get(n, n) for n in names]]
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
 
     def render(row: list[str]) -> str:
         cells = [c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)]
         return "  ".join(cells).rstrip()
 
+    summaries = summarize_all(results)
     out = [render(header), "  ".join("-" * w for w in widths), *map(render, lines)]
     out += [f"error ({n}): {s['error']}" for n, s in summaries.items() if s.get("error")]
     if baseline:
-        out.append(
-            f"ratios: against {CONFIG_LABELS.get(baseline, baseline)}. Memory: NVML used memory "
-            "minus the idle GPU before the server started; medians over the cycles."
-        )
+        out.append(f"ratios: against {CONFIG_LABELS.get(baseline, baseline)}. {RATIO_NOTE}")
     return "\n".join(out)
 
 

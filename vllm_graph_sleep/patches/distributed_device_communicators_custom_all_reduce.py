@@ -1,8 +1,9 @@
 """Patch: vllm.distributed.device_communicators.custom_all_reduce
-(CustomAllreduce.custom_all_reduce, CustomAllreduce.all_reduce).
+(CustomAllreduce.custom_all_reduce, CustomAllreduce.capture).
 
 vLLM symbols: CustomAllreduce.custom_all_reduce(input), which calls
-CustomAllreduce.all_reduce(inp, *, out=None, registered=False). Verified against
+CustomAllreduce.all_reduce(inp, *, out=None, registered=False), and the
+CustomAllreduce.capture() context manager. Verified against
 vLLM 0.26.0 (custom_all_reduce.py: capture() 196-209, register_graph_buffers()
 211-228, all_reduce() 245-262, custom_all_reduce() 264-280).
 
@@ -25,7 +26,7 @@ register_graph_buffers=False keyword that capture honours; vllm-project/vllm
 #59160 for CUDA, #59523 for ROCm). Cost: one device-to-device copy per captured
 all-reduce.
 
-capture() is kept as is. It still calls register_graph_buffers() on exit, which
+capture() keeps its behaviour. It still calls register_graph_buffers() on exit, which
 is safe: the C++ side (csrc/custom_all_reduce.cuh, allreduce()) records the
 pointer each captured all-reduce kernel reads, and with registered=False that
 pointer is the staging buffer buffer_ptrs[rank], never pool memory. That buffer
@@ -34,10 +35,12 @@ hipExtMallocWithFlags on ROCm), outside every torch pool, and was IPC-exported
 at construction already, so exporting it again works and pins nothing that
 sleep releases.
 
-With graph offload active, all_reduce also counts the calls it sees while the
-stream is really capturing, by `registered` (captured_all_reduces() reads them;
-the worker probe reports them): evidence on a GPU that every captured
-all-reduce took the copy-in path, and that there were some.
+With graph offload active, and only inside capture(), the communicator's
+all_reduce is shadowed by one that counts the calls it sees while the stream is
+really capturing, by `registered` (captured_all_reduces() reads them; the worker
+probe reports them): evidence on a GPU that every captured all-reduce took the
+copy-in path, and that there were some. Outside capture() all_reduce is vLLM's
+own, so eager all-reduces (every decode step without graphs) pay nothing for it.
 
 QuickReduce (quick_all_reduce.py) is not touched: it copies into its own
 workspace and never registers graph inputs.
@@ -47,6 +50,8 @@ vllm-project/vllm#59160 and #59523).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -81,14 +86,32 @@ def captured_all_reduces(communicator) -> dict[str, int]:
     return dict(getattr(communicator, _CAPTURED, _NO_CAPTURES))
 
 
-def _wrap_all_reduce(original):
-    def all_reduce(self, inp: torch.Tensor, *, out=None, registered: bool = False):
-        if config.is_active() and torch.cuda.is_current_stream_capturing():
-            counts = self.__dict__.setdefault(_CAPTURED, dict(_NO_CAPTURES))
+def _counting(all_reduce):
+    def counted(inp: torch.Tensor, *, out=None, registered: bool = False):
+        if torch.cuda.is_current_stream_capturing():
+            counts = all_reduce.__self__.__dict__.setdefault(_CAPTURED, dict(_NO_CAPTURES))
             counts["registered" if registered else "copy_in"] += 1
-        return original(self, inp, out=out, registered=registered)
+        return all_reduce(inp, out=out, registered=registered)
 
-    return all_reduce
+    return counted
+
+
+def _wrap_capture(original):
+    @contextlib.contextmanager
+    def capture(self):
+        if not config.is_active():
+            with original(self):
+                yield
+            return
+        # An instance attribute shadows the class's all_reduce for this capture only.
+        self.all_reduce = _counting(self.all_reduce)
+        try:
+            with original(self):
+                yield
+        finally:
+            del self.all_reduce
+
+    return capture
 
 
 def apply() -> None:
@@ -100,4 +123,4 @@ def apply() -> None:
     require(owner, "should_custom_ar", where=WHERE)
     require(owner, "capture", where=WHERE)
     wrap_function(owner, "custom_all_reduce", _wrap_custom_all_reduce, where=WHERE)
-    wrap_function(owner, "all_reduce", _wrap_all_reduce, where=WHERE)
+    wrap_function(owner, "capture", _wrap_capture, where=WHERE)

@@ -9,7 +9,9 @@ fields. The flag is carried in VllmConfig.additional_config, which is pickled to
 the engine core and every worker; this patch adds the CLI option (shown in
 `vllm serve --help=all` under its own group) and the LLM(...) / EngineArgs(...)
 keyword, and folds both into additional_config. `--additional-config
-'{"sleep_mode_offload_cudagraph": true}'` needs no patch at all.
+'{"sleep_mode_offload_cudagraph": true}'` needs no patch at all. An explicit
+--no-sleep-mode-offload-cudagraph (or the keyword False) wins over the JSON, as
+an explicit flag wins over a config file: it writes false there.
 
 Remove when: vLLM 0.33+ (ModelConfig.sleep_mode_offload_cudagraph).
 """
@@ -32,7 +34,8 @@ HELP = (
 
 
 def fold_flag(engine_args: Any, enabled: bool | None) -> None:
-    if not enabled:
+    """None: not given, additional_config decides; True or False: given, and it wins."""
+    if enabled is None:
         return
     additional = engine_args.additional_config
     if isinstance(additional, str):
@@ -40,7 +43,7 @@ def fold_flag(engine_args: Any, enabled: bool | None) -> None:
             f"{CLI_OPTION}: additional_config must be a dict here, got a string; pass JSON "
             "through --additional-config instead"
         )
-    engine_args.additional_config = {**(additional or {}), config.FLAG: True}
+    engine_args.additional_config = {**(additional or {}), config.FLAG: bool(enabled)}
 
 
 def _wrap_add_cli_args(original):
@@ -51,7 +54,7 @@ def _wrap_add_cli_args(original):
                 title="GraphSleep", description="vllm-graph-sleep plugin options."
             )
             group.add_argument(
-                CLI_OPTION, action=argparse.BooleanOptionalAction, default=False, help=HELP
+                CLI_OPTION, action=argparse.BooleanOptionalAction, default=None, help=HELP
             )
         return parser
 
@@ -61,7 +64,7 @@ def _wrap_add_cli_args(original):
 def _wrap_from_cli_args(original):
     def from_cli_args(cls, args, *rest, **kwargs):
         engine_args = original(cls, args, *rest, **kwargs)
-        fold_flag(engine_args, getattr(args, config.FLAG, False))
+        fold_flag(engine_args, getattr(args, config.FLAG, None))
         return engine_args
 
     return from_cli_args

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 
-from tests.engine_utils import (
+from tests.utils import fresh_process, requires_gpu
+from vllm_graph_sleep.models import IMAGE_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
+from vllm_graph_sleep.testing import (
     CYCLES,
     mapped,
     repeat_without_sleep,
@@ -20,8 +22,6 @@ from tests.engine_utils import (
     sleep_wake_cycles,
     start_engine,
 )
-from tests.utils import fresh_process, requires_gpu
-from vllm_graph_sleep.models import IMAGE_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
 
 pytestmark = requires_gpu
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_utils import (
+from tests.utils import fresh_process, requires_gpu
+from vllm_graph_sleep.testing import (
     CYCLES,
     greedy_tokens,
     mapped,
@@ -20,7 +21,6 @@ from tests.engine_utils import (
     sleep_wake_cycles,
     start_engine,
 )
-from tests.utils import fresh_process, requires_gpu
 
 pytestmark = requires_gpu
 

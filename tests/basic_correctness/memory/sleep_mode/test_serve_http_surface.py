@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_utils import PROMPTS, model_dir
 from tests.utils import requires_gpu
+from vllm_graph_sleep.testing import PROMPTS, model_dir
 
 pytestmark = requires_gpu
 

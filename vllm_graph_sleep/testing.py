@@ -1,4 +1,6 @@
-"""Shared by the engine GPU tests: local models, engines, probes, cycles."""
+"""Engine helpers shared by the GPU tests (tests/) and benchmarks/: local models,
+engines, probes, sleep/wake cycles. Part of the package so that both import it
+from here and neither imports the other."""
 
 from __future__ import annotations
 
