@@ -145,6 +145,9 @@ class GraphSleepAllocator:
         # context exits; torch then releases its free segments through my_free
         # (the pluggable allocator the pools were built on stays alive).
         self._pools: list[torch.cuda.MemPool] = []
+        # Pools whose context exited while an outer one was still routed: they
+        # are dropped when the outermost exits.
+        self._retired: list[torch.cuda.MemPool] = []
         self._graph_pool: torch.cuda.MemPool | None = None
         self._routing = threading.local()  # per thread: stack of pools routed to
         if zero_on_wake is None:
@@ -204,8 +207,17 @@ class GraphSleepAllocator:
                     yield pool
             finally:
                 self._pools.remove(pool)
+                self._retired.append(pool)
                 del pool
-                self._driver.release_cached_memory()
+                # torch asserts that no pool is routed while it drops a pool or
+                # empties its cache: the outermost of our contexts does both.
+                if not any(self._routing_stack()):
+                    self._retired.clear()
+                    self._driver.release_cached_memory()
+
+    def _routing_stack(self) -> list:
+        """This thread's pools of ours routed, innermost last (None: unrouted)."""
+        return self._routing.__dict__.setdefault("pools", [])
 
     @contextmanager
     def _routed_to(self, pool: torch.cuda.MemPool) -> Iterator[None]:
@@ -213,7 +225,7 @@ class GraphSleepAllocator:
         routed (an enclosing use_memory_pool) is unrouted meanwhile: torch keeps
         one routing list and may serve from the outer entry, which would put
         inner allocations in segments of the outer pool and tag."""
-        stack = self._routing.__dict__.setdefault("pools", [])
+        stack = self._routing_stack()
         outer = stack[-1] if stack else None
         if outer is not None:
             self._driver.unroute(outer)
@@ -259,15 +271,26 @@ class GraphSleepAllocator:
         return per_tag
 
     @contextmanager
-    def graph_pool_for_this_thread(self) -> Iterator[torch.cuda.MemPool]:
-        """The graph pool, with every allocation of this thread routed to it too.
+    def graph_pool_without_routing(self) -> Iterator[torch.cuda.MemPool]:
+        """The graph pool, with this thread's pool of ours unrouted meanwhile.
 
         For captures made inside another pool's context (the Gemma4 drafter
         captures during load_model): torch serves a capture from the pool
         routed first, so the graph's memory would land in that pool, which is
-        dropped and trimmed when its context exits, under a live graph."""
-        with self.cudagraph_pool() as pool, self._routed_to(pool):
-            yield pool
+        dropped and trimmed when its context exits, under a live graph. Other
+        allocations meanwhile come from torch's own allocator."""
+        stack = self._routing_stack()
+        outer = stack[-1] if stack else None
+        if outer is not None:
+            self._driver.unroute(outer)
+        stack.append(None)
+        try:
+            with self.cudagraph_pool() as pool:
+                yield pool
+        finally:
+            stack.pop()
+            if outer is not None:
+                self._driver.route(outer)
 
     # -- queries -----------------------------------------------------------
 

@@ -125,12 +125,19 @@ class FakeVmmDriver:
     def memory_pool(self) -> FakePool:
         return FakePool(self)
 
+    def _no_routing(self, what: str) -> None:
+        # torch 2.11: "captures_underway.empty() INTERNAL ASSERT FAILED", an abort.
+        if self.routing:
+            raise AssertionError(f"{what} while pool {self.routing[0].id} is routed")
+
     def release_cached_memory(self) -> None:
+        self._no_routing("empty_cache")
         for segments in self._freeable:
             self._release_free(segments)
         self._freeable = [segments for segments in self._freeable if segments]
 
     def _pool_dropped(self, segments: list[int]) -> None:
+        self._no_routing("a MemPool dropped")
         self._freeable.append(segments)
         self._release_free(segments)
 

@@ -10,8 +10,9 @@ this method default to our "cudagraph" pool: `torch.cuda.graph` is swapped, for
 the duration of the call only, for a subclass whose pool defaults to ours (the
 method looks it up on the torch module at each capture). Captures that name a
 pool keep it. The method runs inside the "weights" pool of load_model, and
-torch serves a capture from the pool routed first, so this thread is routed to
-the graph pool meanwhile as well (allocator.graph_pool_for_this_thread).
+torch serves a capture from the pool routed first, so that pool is unrouted
+meanwhile (allocator.graph_pool_without_routing): the graphs' memory goes to
+the graph pool, the few static buffers to torch's own allocator.
 
 Remove when: vLLM routes these captures through the global graph pool (not the
 case in 0.33 either).
@@ -52,7 +53,7 @@ def _wrap_setup(original):
         if not config.routes_to_pools():
             return original(self, *args, **kwargs)
         with (
-            GraphSleepAllocator.get_instance().graph_pool_for_this_thread() as pool,
+            GraphSleepAllocator.get_instance().graph_pool_without_routing() as pool,
             captures_default_to(pool.id),
         ):
             return original(self, *args, **kwargs)
