@@ -90,6 +90,9 @@ class Allocation:
     # Pinned host buffer. Kept across cycles unless host memory is released.
     host: torch.Tensor | None = None
     has_backup: bool = False
+    # Left by an earlier engine of this process and still referenced (vLLM keeps
+    # some module-level caches): never slept, not counted, freed when it dies.
+    orphaned: bool = False
 
 
 def _env_flag(name: str) -> bool | None:
@@ -296,19 +299,29 @@ class GraphSleepAllocator:
 
     def get_current_usage(self) -> int:
         """Bytes of every allocation we own, awake or asleep (vLLM's meaning)."""
+        return sum(allocation.size for allocation in self._live())
+
+    def _live(self) -> list[Allocation]:
+        """Allocations of the current engine (not orphaned)."""
+        return [allocation for allocation in self.allocations.values() if not allocation.orphaned]
+
+    def orphan_leftovers(self) -> int:
+        """Marks every allocation as left by an earlier engine; returns their bytes."""
+        for allocation in self.allocations.values():
+            allocation.orphaned = True
         return sum(allocation.size for allocation in self.allocations.values())
 
     def mapped_bytes(self, tag: str | None = None) -> int:
         return sum(
             allocation.size
-            for allocation in self.allocations.values()
+            for allocation in self._live()
             if allocation.mapped and (tag is None or allocation.tag == tag)
         )
 
     def usage_by_tag(self) -> dict[str, dict[str, int]]:
         """Per tag: bytes mapped, asleep with a host backup, asleep without."""
         usage: dict[str, dict[str, int]] = {}
-        for allocation in self.allocations.values():
+        for allocation in self._live():
             entry = usage.setdefault(allocation.tag, {"mapped": 0, "backed_up": 0, "dropped": 0})
             if allocation.mapped:
                 entry["mapped"] += allocation.size
@@ -353,7 +366,7 @@ class GraphSleepAllocator:
         self.claim_graph_pool()
         # Segments that dropped pools freed since: nothing to back up there.
         self._driver.release_cached_memory()
-        awake = [allocation for allocation in self.allocations.values() if allocation.mapped]
+        awake = [allocation for allocation in self._live() if allocation.mapped]
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
         try:
@@ -405,7 +418,7 @@ class GraphSleepAllocator:
                 _describe(still_mapped),
                 "; ".join(failures),
             )
-        stack = self._lower_stack({allocation.device for allocation in self.allocations.values()})
+        stack = self._lower_stack({allocation.device for allocation in self._live()})
         logger.info(
             "graph-sleep sleep: backed up %s; dropped %s; %s; %.3f s",
             _describe(kept),
@@ -601,7 +614,7 @@ class GraphSleepAllocator:
         they come back with undefined contents (zeroed on ROCm)."""
         selected = self._normalize(tags, "discard")
         freed = 0
-        for allocation in self.allocations.values():
+        for allocation in self._live():
             if allocation.tag not in selected:
                 continue
             if allocation.mapped:

@@ -1,7 +1,8 @@
 """Patch: vllm.v1.worker.gpu_worker (Worker, get_mem_allocator_instance).
 
 vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model,
-Worker._maybe_get_memory_pool_context, Worker.shutdown, and the module global
+Worker._maybe_get_memory_pool_context, Worker.wake_up, Worker.shutdown, and the
+module global
 get_mem_allocator_instance that it calls. Verified against vLLM 0.26.0.
 
 Why: vLLM 0.26 has no seam that puts graph memory under sleep mode. When the
@@ -20,6 +21,9 @@ gate is on in this worker, this patch
   survive sleep (FULL graphs read them). The KV tensors get their own
   "kv_cache" pool (v1_worker_gpu_attn_utils, v1_worker_gpu_model_runner).
   Upstream did the same in PR #59158.
+- keeps the model buffers a level-2 sleep saved until the wake that brings
+  the weights back (vLLM 0.26 copies them into the still-unmapped weights
+  when "kv_cache" is woken first);
 - at shutdown, drops the graph pool, points the platform's global graph pool
   back at nothing and marks the process inactive, so that a next engine in the
   same process (vLLM's test suites make several) starts as if it were the
@@ -67,17 +71,21 @@ def route_graph_capture_to_pool() -> None:
         _platform_class()._global_graph_pool = pool.id
 
 
-def require_no_leftovers(allocator: GraphSleepAllocator) -> None:
+def orphan_leftovers(allocator: GraphSleepAllocator) -> None:
     """A new engine starts on an empty allocator (vLLM asserts it when it loads
-    the weights); name what an earlier engine of this process left behind."""
+    the weights). What an earlier engine of this process still holds (vLLM keeps
+    some module-level caches, e.g. rotary tables) is set apart: never slept, not
+    counted, freed when its tensors die."""
     if not allocator.allocations:
         return
     allocator.release_pools()
     if allocator.allocations:
-        raise RuntimeError(
-            f"vllm-graph-sleep: {format_bytes(allocator.get_current_usage())} of an earlier "
-            f"engine in this process are still allocated ({allocator.usage_by_tag()}); "
-            "delete every reference to the earlier LLM and its outputs' tensors first"
+        usage = allocator.usage_by_tag()
+        logger.warning(
+            "graph-sleep: %s of an earlier engine in this process are still referenced %s; "
+            "they stay mapped and are left out of this engine's sleep",
+            format_bytes(allocator.orphan_leftovers()),
+            {tag: format_bytes(entry["mapped"]) for tag, entry in usage.items()},
         )
 
 
@@ -92,7 +100,7 @@ def _wrap_init_device(original):
             config.mark_active()
         result = original(self, *args, **kwargs)
         if gate.active:
-            require_no_leftovers(GraphSleepAllocator.get_instance())
+            orphan_leftovers(GraphSleepAllocator.get_instance())
             self.vllm_config.model_config.sleep_mode_backend = config.BACKEND_NAME
             route_graph_capture_to_pool()
             logger.info("graph-sleep: CUDA/HIP graphs are captured into the cudagraph pool")
@@ -110,6 +118,25 @@ def _wrap_compile_or_warm_up_model(original):
             return original(self, *args, **kwargs)
 
     return compile_or_warm_up_model
+
+
+def _wrap_wake_up(original):
+    def wake_up(self, tags=None, *args, **kwargs):
+        # After a level-2 sleep, vLLM restores the model's saved buffers on any
+        # wake; those buffers live in the weights pool, so a wake that leaves
+        # the weights asleep (tags=["kv_cache"] first) copied into unmapped
+        # memory ("CUDA error: invalid argument", found by benchmarks/http_fuzz.py
+        # on an H200). Keep them saved until the wake that brings the weights.
+        saved = getattr(self, "_sleep_saved_buffers", None)
+        if not (config.is_active() and saved and tags is not None and "weights" not in tags):
+            return original(self, tags, *args, **kwargs)
+        self._sleep_saved_buffers = {}
+        try:
+            return original(self, tags, *args, **kwargs)
+        finally:
+            self._sleep_saved_buffers = saved
+
+    return wake_up
 
 
 def _wrap_shutdown(original):
@@ -156,6 +183,8 @@ def apply() -> None:
         where=WHERE,
     )
     wrap_function(gpu_worker.Worker, "shutdown", _wrap_shutdown, where=WHERE)
+    require(gpu_worker.Worker, "wake_up", where=WHERE, parameters=("tags",))
+    wrap_function(gpu_worker.Worker, "wake_up", _wrap_wake_up, where=WHERE)
     require(gpu_worker.Worker, "_maybe_get_memory_pool_context", where=WHERE, parameters=("tag",))
     wrap_function(
         gpu_worker.Worker,
