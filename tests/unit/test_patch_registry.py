@@ -68,6 +68,9 @@ from vllm_graph_sleep.patches._wrap import is_wrapped
 
 load_general_plugins()
 report = {"imported_after_load": sorted(t for t in PATCHES.values() if t in sys.modules)}
+# vLLM reads VLLM_USE_BREAKABLE_CUDAGRAPH when this module is imported: a plugin
+# that imported it at load would fix that choice before a test sets the variable.
+report["attention_imported"] = "vllm.model_executor.layers.attention.attention" in sys.modules
 from vllm.engine.arg_utils import EngineArgs
 report["flag_added"] = is_wrapped(EngineArgs.add_cli_args)
 from vllm.v1.worker import gpu_worker, gpu_model_runner  # what a worker imports next
@@ -95,5 +98,6 @@ def test_each_process_patches_only_what_it_imports():
     line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line.removeprefix("REPORT "))
     assert report["imported_after_load"] == ["vllm.engine.arg_utils"]
+    assert not report["attention_imported"]
     assert report["flag_added"]
     assert report["worker_patched"] == [True, True, True, True]
