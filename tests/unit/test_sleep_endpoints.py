@@ -364,3 +364,58 @@ def test_a_failing_engine_check_lets_the_request_through_to_vllm(gate):
     run(app, post("/sleep?level=1"))
     (answer,) = run(app, post("/v1/completions"))
     assert answer.status_code == 200 and ("completion",) in engine.calls
+
+
+def test_a_request_overtaken_by_a_sleep_is_bounded_too(monkeypatch):
+    """It found the engine awake, then a /sleep reached the engine first: vLLM
+    would queue it until a wake that may never come (seen in the H200 fuzz)."""
+    import asyncio
+
+    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "0.4")
+    patch.apply()
+    engine = StagedEngine()
+    app = FastAPI()
+    api_router.attach_router(app)
+    app.state.engine_client = engine
+    cancelled = []
+
+    @app.post("/v1/completions")
+    async def completions() -> dict:
+        engine.calls.append(("completion",))
+        try:
+            while engine.asleep or len(engine.calls) < 3:  # queued in the engine
+                await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            cancelled.append(True)  # vLLM aborts the request here
+            raise
+        return {"served": True}
+
+    started = time.monotonic()
+    answer, _ = run(app, post("/v1/completions"), post("/sleep?level=1", delay=0.1))
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+    assert cancelled == [True]
+    assert 0.4 <= time.monotonic() - started < 3
+
+
+def test_a_request_overtaken_by_a_short_sleep_is_served(gate):
+    import asyncio
+
+    engine = StagedEngine()
+    app = FastAPI()
+    api_router.attach_router(app)
+    app.state.engine_client = engine
+
+    @app.post("/v1/completions")
+    async def completions() -> dict:
+        await asyncio.sleep(0.2)
+        while engine.asleep:
+            await asyncio.sleep(0.05)
+        return {"served": True}
+
+    answer, *_ = run(
+        app,
+        post("/v1/completions"),
+        post("/sleep?level=1", delay=0.05),
+        post("/wake_up", delay=0.5),
+    )
+    assert answer.status_code == 200 and answer.json() == {"served": True}

@@ -26,7 +26,9 @@ inference request (INFERENCE_PATHS) in the API server while the engine sleeps
 or is paused and lets it through unchanged once the engine is awake; if the
 engine is still asleep after VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S seconds (default
 30; 0 refuses at once) the request gets 503 with Retry-After and a JSON error,
-and the engine never sees it. It asks the engine (is_sleeping) only after this
+and the engine never sees it. A request that found the engine awake but was
+overtaken by a /sleep is bounded the same way: cancelled (vLLM aborts it) and
+answered 503 if the engine stays asleep for the whole bound before it answers. It asks the engine (is_sleeping) only after this
 API server forwarded a /sleep or /pause, or on every inference request when
 several API server processes share the engine (--api-server-count > 1),
 where another process may have put it to sleep.
@@ -192,15 +194,57 @@ class AsleepGate:
             finally:
                 self.sleeps_in_flight -= 1
             return
-        if path in INFERENCE_PATHS and not await self._awake_in_time(scope["app"].state):
-            message = (
-                f"the engine is asleep (not woken within {self.wait_s:g} s); "
-                "wake it with POST /wake_up, then retry"
-            )
-            headers = {"Retry-After": str(RETRY_AFTER_S)}
-            await JSONResponse({"error": message}, 503, headers)(scope, receive, send)
+        if path not in INFERENCE_PATHS:
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        state = scope["app"].state
+        if not await self._awake_in_time(state):
+            await self._refuse(scope, receive, send)
+            return
+        await self._bounded(scope, receive, send, state)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = (
+            f"the engine is asleep (not woken within {self.wait_s:g} s); "
+            "wake it with POST /wake_up, then retry"
+        )
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        await JSONResponse({"error": message}, 503, headers)(scope, receive, send)
+
+    async def _bounded(self, scope: Scope, receive: Receive, send: Send, state: Any) -> None:
+        """Forwards a request that found the engine awake. A /sleep may still
+        reach the engine before it: vLLM then queues the request until the wake
+        (3 of 575 requests waited past 120 s in the H200 fuzz). If the engine
+        has been asleep for the whole bound and no answer has started, the
+        request is cancelled (vLLM aborts it in the engine) and answered 503."""
+        started = False
+
+        async def send_and_note(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        task = asyncio.ensure_future(self.app(scope, receive, send_and_note))
+        asleep_since: float | None = None
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
+            if done:
+                task.result()
+                return
+            if started or not self.maybe_asleep:
+                asleep_since = None
+                continue
+            engine = getattr(state, "engine_client", None)
+            if engine is None or not await self._is_sleeping(engine):
+                asleep_since = None
+                continue
+            asleep_since = asleep_since or time.monotonic()
+            if time.monotonic() - asleep_since >= self.wait_s:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                if not started:
+                    await self._refuse(scope, receive, send)
+                return
 
     async def _awake_in_time(self, state: Any) -> bool:
         args = getattr(state, "args", None)
