@@ -29,8 +29,9 @@ engine is still asleep after VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S seconds (default
 and the engine never sees it. A request that found the engine awake but was
 overtaken by a /sleep is bounded the same way: cancelled (vLLM aborts it) and
 answered 503 if the engine stays asleep for the whole bound before it answers.
-It asks the engine (is_sleeping) only after this API server forwarded a /sleep or /pause, or on every inference request when
-several API server processes share the engine (--api-server-count > 1),
+It asks the engine (is_sleeping) only after this API server forwarded a /sleep
+or /pause, or on every inference request when several API server processes
+share the engine (--api-server-count > 1),
 where another process may have put it to sleep.
 
 Remove when: SleepRequestValidation, on vLLM 0.33+ (it validates level and
