@@ -26,19 +26,8 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 MIB = 1 << 20
-
-
-def nvml_used_bytes() -> int:
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def mib(value: int) -> float:
@@ -57,14 +46,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("awake_memory: no CUDA or ROCm GPU visible; nothing to run", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's tests package
+    from vllm_graph_sleep.bench.gpu import NvmlMemory
     from vllm_graph_sleep.testing import greedy_tokens, report, start_engine
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # NVML sees one process
     overrides = {"quantization": args.quantization} if args.quantization else {}
     llm = start_engine(args.kind, args.mode, offload=args.config == "ours", **overrides)
     torch.cuda.synchronize()
-    used = nvml_used_bytes()
+    (used,) = NvmlMemory(1).used()  # the engine's GPU (CUDA_VISIBLE_DEVICES honoured)
     awake = report(llm)
     blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     reference = greedy_tokens(llm)

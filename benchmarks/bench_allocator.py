@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -74,14 +75,17 @@ Json = dict[str, Any]
 # -- setup -------------------------------------------------------------------
 
 
-def _allocator_class() -> type:
-    """GraphSleepAllocator, from the installed package or this checkout."""
+def _from_package(module: str) -> Any:
+    """A module of vllm_graph_sleep, from the installed package or this checkout."""
     try:
-        from vllm_graph_sleep.allocator import GraphSleepAllocator
+        return importlib.import_module(module)
     except ImportError:
         sys.path.insert(0, str(REPO_ROOT))
-        from vllm_graph_sleep.allocator import GraphSleepAllocator
-    return GraphSleepAllocator
+        return importlib.import_module(module)
+
+
+def _allocator_class() -> type:
+    return _from_package("vllm_graph_sleep.allocator").GraphSleepAllocator
 
 
 def _unusable_reason() -> str | None:
@@ -340,25 +344,6 @@ def run_case(case_args: list[str]) -> Json:
     return {"error": f"case {case_args} exited with {completed.returncode}: {last}"}
 
 
-def git_revision() -> str | None:
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return f"{head}{'-dirty' if dirty else ''}"
-
-
 def environment() -> Json:
     props = torch.cuda.get_device_properties(0)
     nvml = Nvml()
@@ -373,7 +358,7 @@ def environment() -> Json:
         "driver_version": nvml.driver_version(),
         "nvml_error": nvml.error,
         "hostname": platform.node(),
-        "git_revision": git_revision(),
+        "git_revision": _from_package("vllm_graph_sleep.bench.live").git_revision(),
         "release_host_memory_env": os.environ.get("VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"),
         "zero_on_wake_env": os.environ.get("VLLM_GRAPH_SLEEP_ZERO_ON_WAKE"),
     }

@@ -35,6 +35,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_graph_sleep.bench.client import greedy_completion_body
+
 PROMPTS = ["The quick brown fox", "Sleep mode lets a server"]
 LEVELS = ("0", "1", "2")
 MODES = ("abort", "keep", "wait")
@@ -163,15 +165,7 @@ class Fuzzer:
                 )
 
     def completion_body(self, max_tokens: int = 8, prompts=PROMPTS) -> bytes:
-        body = {
-            "model": self.model_id,
-            "prompt": list(prompts),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        return json.dumps(body).encode()
+        return json.dumps(greedy_completion_body(self.model_id, prompts, max_tokens)).encode()
 
     # -- what a client sends ---------------------------------------------
 

@@ -223,22 +223,25 @@ class GraphSleepAllocator:
         return self._routing.__dict__.setdefault("pools", [])
 
     @contextmanager
-    def _routed_to(self, pool: torch.cuda.MemPool) -> Iterator[None]:
-        """Routes this thread's allocations to `pool`. A pool of ours already
-        routed (an enclosing use_memory_pool) is unrouted meanwhile: torch keeps
-        one routing list and may serve from the outer entry, which would put
-        inner allocations in segments of the outer pool and tag."""
+    def _routed_to(self, pool: torch.cuda.MemPool | None) -> Iterator[None]:
+        """Routes this thread's allocations to `pool` (None: to none of ours).
+        A pool of ours already routed (an enclosing use_memory_pool) is
+        unrouted meanwhile: torch keeps one routing list and may serve from the
+        outer entry, which would put inner allocations in segments of the outer
+        pool and tag."""
         stack = self._routing_stack()
         outer = stack[-1] if stack else None
         if outer is not None:
             self._driver.unroute(outer)
-        self._driver.route(pool)
+        if pool is not None:
+            self._driver.route(pool)
         stack.append(pool)
         try:
             yield
         finally:
             stack.pop()
-            self._driver.unroute(pool)
+            if pool is not None:
+                self._driver.unroute(pool)
             if outer is not None:
                 self._driver.route(outer)
 
@@ -282,18 +285,8 @@ class GraphSleepAllocator:
         routed first, so the graph's memory would land in that pool, which is
         dropped and trimmed when its context exits, under a live graph. Other
         allocations meanwhile come from torch's own allocator."""
-        stack = self._routing_stack()
-        outer = stack[-1] if stack else None
-        if outer is not None:
-            self._driver.unroute(outer)
-        stack.append(None)
-        try:
-            with self.cudagraph_pool() as pool:
-                yield pool
-        finally:
-            stack.pop()
-            if outer is not None:
-                self._driver.route(outer)
+        with self._routed_to(None), self.cudagraph_pool() as pool:
+            yield pool
 
     # -- queries -----------------------------------------------------------
 

@@ -22,6 +22,18 @@ from vllm_graph_sleep.bench.server import ServerError
 REPORT_METHOD = "graph_sleep_memory_report"
 
 
+def greedy_completion_body(model_id: str, prompts: Sequence[str], max_tokens: int) -> dict:
+    """A /v1/completions request: greedy, exactly `max_tokens` tokens, token ids back."""
+    return {
+        "model": model_id,
+        "prompt": list(prompts),
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
 @dataclasses.dataclass
 class Completion:
     token_ids: list[list[int]]
@@ -98,14 +110,7 @@ class Client:
 
     def complete(self, prompts: Sequence[str], max_tokens: int) -> Completion:
         """Greedy completion of every prompt, exactly `max_tokens` tokens each."""
-        body = {
-            "model": self.model_id,
-            "prompt": list(prompts),
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
+        body = greedy_completion_body(self.model_id, prompts, max_tokens)
         started = time.perf_counter()
         answer = self._request("POST", "/v1/completions", body)
         seconds = time.perf_counter() - started

@@ -94,7 +94,8 @@ def process_tree_rss(pid: int) -> dict[str, int]:
 
 
 def git_revision() -> str | None:
-    """HEAD of the checkout the benchmark runs from, "+dirty" with local changes."""
+    """HEAD of the checkout the benchmark runs from, "-dirty" with local changes
+    (as `git describe --dirty` marks it)."""
     try:
         head = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"],
@@ -110,7 +111,7 @@ def git_revision() -> str | None:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
-    return head + ("+dirty" if dirty else "")
+    return head + ("-dirty" if dirty else "")
 
 
 def environment(memory: MemorySource) -> dict[str, Any]:
