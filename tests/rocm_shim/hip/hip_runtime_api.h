@@ -11,13 +11,17 @@
 // against a real VMM driver. AMD's driver semantics are NOT reproduced: on CUDA
 // the physical memory returns on cuMemRelease whether or not the range stays
 // reserved, hipGetDevice/hipSetDevice are emulated with the primary context, and
-// granularity, stale VRAM and hint-address behaviour are NVIDIA's.
+// granularity and stale VRAM are NVIDIA's. AMD's answer to a reservation that
+// asks for a freed range by address (it gets it) is emulated by the shim itself
+// (hip_shim::parked below), since NVIDIA's driver does not give it.
 #pragma once
 
 #include <cuda.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 // The HIP release whose API this file stands in for (the stack limit is 6.0+).
 #define HIP_VERSION_MAJOR 6
@@ -72,33 +76,64 @@ inline hipError_t hipMemGetAllocationGranularity(size_t* granularity,
   return cuMemGetAllocationGranularity(granularity, prop, option);
 }
 
+namespace hip_shim {
+// AMD's driver hands a freed range back to a reservation that asks for it by
+// address (vLLM's ROCm path relies on that to hold the range while asleep, see
+// _python_free_callback in vllm/device_allocator/cumem.py). NVIDIA's does not:
+// on the H200 a range freed with cuMemAddressFree and asked for again at once
+// came back elsewhere (docs/results/rocm-on-cuda-h200.md). So the shim never
+// frees a range in the driver: hipMemAddressFree parks it here, still reserved
+// (no other CUDA reservation can land on it), and a hipMemAddressReserve that
+// asks for its address gets it back, as AMD's would. Physical memory is not
+// affected: it returns on hipMemRelease either way.
+struct Range {
+  CUdeviceptr address;
+  size_t size;
+};
+inline std::mutex parked_mutex;
+inline std::vector<Range> parked;
+
+// One-shot "another thread wins the race" for the test that loses the
+// placeholder: armed by hip_shim_steal_next_freed_range().
+inline bool steal_armed = false;
+inline Range stolen{0, 0};
+
+inline bool take_parked(CUdeviceptr address, size_t size) {
+  std::lock_guard<std::mutex> lock(parked_mutex);
+  for (auto it = parked.begin(); it != parked.end(); ++it) {
+    if (it->address == address && it->size == size) {
+      parked.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+}  // namespace hip_shim
+
 inline hipError_t hipMemAddressReserve(void** ptr, size_t size, size_t alignment, void* addr,
                                        unsigned long long flags) {
+  const auto wanted = reinterpret_cast<CUdeviceptr>(addr);
+  if (wanted != 0 && hip_shim::take_parked(wanted, size)) {
+    *ptr = addr;
+    return CUDA_SUCCESS;
+  }
   CUdeviceptr reserved = 0;
-  CUresult status =
-      cuMemAddressReserve(&reserved, size, alignment, reinterpret_cast<CUdeviceptr>(addr), flags);
+  CUresult status = cuMemAddressReserve(&reserved, size, alignment, wanted, flags);
   *ptr = reinterpret_cast<void*>(reserved);
   return status;
 }
 
-namespace hip_shim {
-// One-shot "another thread wins the race" for the test that loses the
-// placeholder: armed by hip_shim_steal_next_freed_range().
-inline bool steal_armed = false;
-inline CUdeviceptr stolen_address = 0;
-inline size_t stolen_size = 0;
-}  // namespace hip_shim
-
 inline hipError_t hipMemAddressFree(void* ptr, size_t size) {
   const auto address = reinterpret_cast<CUdeviceptr>(ptr);
-  CUresult status = cuMemAddressFree(address, size);
-  if (status == CUDA_SUCCESS && hip_shim::steal_armed) {
+  if (hip_shim::steal_armed) {
+    // The thief holds the range: neither parked nor freed in the driver.
     hip_shim::steal_armed = false;
-    if (cuMemAddressReserve(&hip_shim::stolen_address, size, 0, address, 0) == CUDA_SUCCESS) {
-      hip_shim::stolen_size = size;
-    }
+    hip_shim::stolen = {address, size};
+    return CUDA_SUCCESS;
   }
-  return status;
+  std::lock_guard<std::mutex> lock(hip_shim::parked_mutex);
+  hip_shim::parked.push_back({address, size});
+  return CUDA_SUCCESS;
 }
 
 inline hipError_t hipMemCreate(hipMemGenericAllocationHandle_t* handle, size_t size,
@@ -145,12 +180,26 @@ inline hipError_t hipDeviceSetLimit(hipLimit_t limit, size_t value) {
 // thread of the process had taken it between the free and the placeholder.
 HIP_SHIM_EXPORT void hip_shim_steal_next_freed_range() { hip_shim::steal_armed = true; }
 
-// Gives a stolen range back; returns the address it held (0 if none).
+// Gives a stolen range back (freed, so a reservation that asks for its
+// address gets it); returns the address it held (0 if none).
 HIP_SHIM_EXPORT unsigned long long hip_shim_return_stolen_range() {
-  const CUdeviceptr address = hip_shim::stolen_address;
-  if (address != 0 && cuMemAddressFree(address, hip_shim::stolen_size) == CUDA_SUCCESS) {
-    hip_shim::stolen_address = 0;
-    hip_shim::stolen_size = 0;
+  const hip_shim::Range range = hip_shim::stolen;
+  if (range.address != 0) {
+    hip_shim::stolen = {0, 0};
+    std::lock_guard<std::mutex> lock(hip_shim::parked_mutex);
+    hip_shim::parked.push_back(range);
   }
-  return address;
+  return range.address;
+}
+
+// What another HIP user of this process gets when it asks for
+// [address, address + size): the address it was given (then freed again).
+HIP_SHIM_EXPORT unsigned long long hip_shim_reserve_elsewhere(unsigned long long address,
+                                                              size_t size) {
+  void* got = nullptr;
+  if (hipMemAddressReserve(&got, size, 0, reinterpret_cast<void*>(address), 0) != hipSuccess) {
+    return 0;
+  }
+  hipMemAddressFree(got, size);
+  return reinterpret_cast<unsigned long long>(got);
 }

@@ -539,6 +539,41 @@ def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back(capfd):
 
 @rocm_on_cuda_only
 @fresh_process
+def test_on_the_rocm_path_the_placeholder_keeps_the_range_from_other_reservations():
+    """The ROCm path frees the range itself at sleep (AMD returns VRAM only
+    then) and holds it with an empty placeholder: another reservation asking
+    for that address, or any allocation, lands elsewhere, and wake maps the
+    same address with its contents."""
+    alloc = manager()
+    assert alloc._driver.is_rocm()
+    library = allocator_library(alloc)
+    library.hip_shim_reserve_elsewhere.restype = ctypes.c_ulonglong
+    library.hip_shim_reserve_elsewhere.argtypes = [ctypes.c_ulonglong, ctypes.c_size_t]
+    # Control: a range the allocator freed goes to the next one who asks for it.
+    free_range = library.my_malloc(8 * MIB, 0, None)
+    library.my_free(free_range, 8 * MIB, 0, None)
+    assert library.hip_shim_reserve_elsewhere(free_range, 8 * MIB) == free_range
+
+    with alloc.use_memory_pool("weights"):
+        weights = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8, device="cuda")
+    expected, pointer = weights.clone(), weights.data_ptr()
+    held = allocation_of(alloc, weights)
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.mapped_bytes() == 0
+    assert library.hip_shim_reserve_elsewhere(held.address, held.size) != held.address
+    with alloc.use_memory_pool("kv_cache"):
+        ours = torch.empty(held.size, dtype=torch.uint8, device="cuda")
+    theirs = torch.empty(held.size, dtype=torch.uint8, device="cuda")
+    assert not overlaps(ours, held.address, held.size)
+    assert not overlaps(theirs, held.address, held.size)
+
+    alloc.wake_up()
+    assert weights.data_ptr() == pointer
+    assert torch.equal(weights, expected)
+
+
+@rocm_on_cuda_only
+@fresh_process
 def test_a_lost_placeholder_fails_the_wake_cleanly_and_a_retry_succeeds(capfd):
     """If another thread takes the range between sleep's free and its
     placeholder, sleep still completes, wake fails without mapping anything,
