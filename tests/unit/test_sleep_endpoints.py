@@ -3,8 +3,12 @@ called) and serve everything else exactly as stock (CPU, no server process)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import json
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI
@@ -12,8 +16,12 @@ from fastapi.testclient import TestClient
 from vllm.engine.protocol import EngineClient
 from vllm.entrypoints.serve.dev.sleep import api_router
 
+from tests.unit.force_cpu_platform import force_cpu_platform
+from vllm_graph_sleep.bench.client import greedy_completion_body
 from vllm_graph_sleep.patches import entrypoints_serve_dev_sleep_api_router as patch
 from vllm_graph_sleep.patches._wrap import original_of
+
+force_cpu_platform()  # vLLM's app below builds a config (a no-op on a GPU machine)
 
 
 class FakeEngineClient:
@@ -214,137 +222,302 @@ def test_apply_and_attach_are_idempotent(engine):
 
 
 # -- requests while asleep (AsleepGate) ------------------------------------
+#
+# vLLM's real app (build_app, init_app_state) on a real AsyncLLM, so requests
+# go through vLLM's handlers, renderer and input processor; only the engine
+# core process is replaced (FakeCore). A tiny random Llama gives the config and
+# the tokenizer.
+
+MAX_MODEL_LEN = 512
+MiB = 2**20
 
 
-class StagedEngine(FakeEngineClient):
-    """Sleeps with both tags; a wake with tags wakes only those (a staged wake)."""
+class FakeCore:
+    """The engine core client as AsyncLLM uses it, with no engine behind it.
+    A request is answered with max_tokens tokens after busy_s seconds; while
+    the core sleeps (both tags) or is paused it queues requests, as EngineCore
+    does (requests in flight are kept, as with mode=keep), and answers them
+    once fully awake. Records the calls the tests look at."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self.resources = SimpleNamespace(engine_dead=False)
+        self.calls: list[tuple] = []
         self.asleep: set[str] = set()
+        self.busy_s = 0.0
+        self.check_fails = False
+        self._queued: list = []
+        self._aborted: set[str] = set()
+        self._outputs: asyncio.Queue = asyncio.Queue()
 
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        await super().sleep(level, mode)
-        self.asleep = {"weights", "kv_cache"}
+    def added(self) -> list[str]:
+        return [call[1] for call in self.calls if call[0] == "add"]
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await super().wake_up(tags)
+    async def get_supported_tasks_async(self) -> tuple[str, ...]:
+        return ("generate",)
+
+    async def add_request_async(self, request) -> None:
+        self.calls.append(("add", request.request_id))
+        asyncio.get_running_loop().call_later(self.busy_s, self._step, request)
+
+    def _step(self, request) -> None:
+        if request.request_id in self._aborted:
+            return
+        if self.asleep:
+            self._queued.append(request)
+            return
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+        tokens = list(range(100, 100 + request.sampling_params.max_tokens))
+        output = EngineCoreOutput(request.request_id, tokens, finish_reason=FinishReason.LENGTH)
+        self._outputs.put_nowait(EngineCoreOutputs(outputs=[output]))
+
+    async def get_output_async(self):
+        return await self._outputs.get()
+
+    async def abort_requests_async(self, request_ids) -> None:
+        self.calls.append(("abort", list(request_ids)))
+        self._aborted.update(request_ids)
+
+    async def sleep_async(self, level: int, mode: str) -> None:
+        self.calls.append(("sleep", level, mode))
+        self.asleep |= {"weights", "kv_cache"} if level else {"scheduling"}
+
+    async def wake_up_async(self, tags: list[str] | None) -> None:
+        self.calls.append(("wake_up", tags))
         self.asleep -= set(tags or self.asleep)
+        self._answer_queued()
 
-    async def is_sleeping(self) -> bool:
+    async def pause_scheduler_async(self, mode: str, clear_cache: bool) -> None:
+        self.asleep.add("scheduling")
+
+    async def is_sleeping_async(self) -> bool:
         self.calls.append(("is_sleeping",))
+        if self.check_fails:
+            raise RuntimeError("engine core died")
         return bool(self.asleep)
 
+    def _answer_queued(self) -> None:
+        if not self.asleep:
+            queued, self._queued = self._queued, []
+            for request in queued:
+                self._step(request)
 
-def gated_app(engine: FakeEngineClient, root_path: str = "") -> FastAPI:
-    """The sleep router plus a stand-in for vLLM's completion route."""
-    app = FastAPI(root_path=root_path)
-    api_router.attach_router(app)
-    app.state.engine_client = engine
-
-    @app.post("/v1/completions")
-    async def completions() -> dict:
-        engine.calls.append(("completion",))
-        return {"served": True}
-
-    return app
+    def shutdown(self, timeout: float | None = None) -> None:
+        pass
 
 
-def run(app: FastAPI, *steps) -> list:
-    """Runs each step (a coroutine function taking an httpx client) concurrently."""
-    import asyncio
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    from vllm_graph_sleep.models import make_model
 
+    return make_model("llama", tmp_path_factory.mktemp("model") / "llama")
+
+
+@pytest.fixture
+def wait_s(monkeypatch):
+    """Sets the wait bound and applies the patch (AsleepGate reads the bound)."""
+
+    def set_bound(seconds: float) -> None:
+        monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, str(seconds))
+        patch.apply()
+
+    return set_bound
+
+
+def serve_vllm(llama: Path, scenario, *cli: str):
+    """Runs `await scenario(client, core)` against vLLM's app, in one event
+    loop (AsyncLLM's output handler lives in it)."""
     import httpx
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.api_server import build_app, init_app_state
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    options = ["--model", str(llama), "--max-model-len", str(MAX_MODEL_LEN), *cli]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(options)
+    config = AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
     async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await asyncio.gather(*(step(client) for step in steps))
+        core = FakeCore()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(EngineCoreClient, "make_async_mp_client", lambda **_: core)
+            engine = AsyncLLM.from_vllm_config(config, disable_log_stats=True)
+        try:
+            app = build_app(args, supported_tasks=("generate",))
+            await init_app_state(engine, app.state, args, supported_tasks=("generate",))
+            transport = httpx.ASGITransport(app=app, root_path=args.root_path or "")
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                return await scenario(client, core)
+        finally:
+            engine.shutdown()
 
     return asyncio.run(main())
 
 
-def post(path: str, delay: float = 0.0):
-    async def step(client):
-        import asyncio
-
-        await asyncio.sleep(delay)
-        return await client.post(path)
-
-    return step
+def completion(llama: Path, prompts=("The quick brown fox",), **fields) -> bytes:
+    body = greedy_completion_body(str(llama), list(prompts), fields.pop("max_tokens", 4))
+    return json.dumps({**body, **fields}).encode()
 
 
-@pytest.fixture
-def gate(monkeypatch):
-    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "5")
-    patch.apply()
-
-
-def test_awake_engine_costs_no_round_trip(gate):
-    engine = StagedEngine()
-    (answer,) = run(gated_app(engine), post("/v1/completions"))
-    assert answer.status_code == 200 and engine.calls == [("completion",)]
-
-
-def test_request_while_asleep_is_held_and_served_after_a_staged_wake(gate):
-    engine = StagedEngine()
-    app = gated_app(engine)
-    run(app, post("/sleep?level=2"))
-    held, *_ = run(
-        app,
-        post("/v1/completions"),
-        post("/wake_up?tags=weights", delay=0.3),
-        post("/wake_up?tags=kv_cache", delay=0.6),
-    )
-    assert held.status_code == 200 and held.json() == {"served": True}
-    served = engine.calls.index(("completion",))
-    assert engine.calls.index(("wake_up", ["kv_cache"])) < served
-    # Awake again: the next request goes straight through.
-    before = len(engine.calls)
-    run(app, post("/v1/completions"))
-    assert engine.calls[before:] == [("completion",)]
-
-
-def test_request_while_asleep_gets_503_after_the_bound(monkeypatch):
-    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "0.4")
-    patch.apply()
-    engine = StagedEngine()
-    app = gated_app(engine)
-    run(app, post("/sleep?level=1"))
+async def timed_post(client, path: str, body: bytes = b"", delay: float = 0.0):
+    await asyncio.sleep(delay)
     started = time.monotonic()
-    (answer,) = run(app, post("/v1/completions"))
-    assert 0.4 <= time.monotonic() - started < 3
-    assert answer.status_code == 503
+    response = await client.post(path, content=body, headers={"content-type": "application/json"})
+    response.seconds = time.monotonic() - started
+    return response
+
+
+def malformed(llama: Path) -> dict[str, tuple[str, bytes]]:
+    """Requests vLLM rejects with a 4xx without the engine (the HTTP fuzz's
+    kinds first), by kind: (path, body)."""
+    chat = {"model": str(llama), "messages": "not a list"}
+    return {
+        "not_json": ("/v1/completions", b"[1, 2"),
+        "invalid_utf8": ("/v1/completions", b'{"prompt": "\xc3\x28"}'),
+        "oversized_not_json": ("/v1/completions", b"{" + b"x" * (8 * MiB)),
+        # The fuzz's long_prompt: 2 MiB, far past max_model_len.
+        "oversized_prompt": ("/v1/completions", completion(llama, ["word " * (400 * 1024)])),
+        # Past max_model_len only once tokenized.
+        "long_prompt": ("/v1/completions", completion(llama, [" ".join(["go"] * 600)])),
+        "long_prompt_streamed": (
+            "/v1/completions",
+            completion(llama, [" ".join(["go"] * 600)], stream=True),
+        ),
+        "unknown_model": ("/v1/completions", completion(llama, model="no-such-model")),
+        "bad_max_tokens": ("/v1/completions", completion(llama, max_tokens=-1)),
+        # Rejected inside AsyncLLM.add_request (InputProcessor), just before
+        # the point where the gate holds requests.
+        "token_out_of_vocab": ("/v1/completions", completion(llama, prompts=[[99999999]])),
+        "bad_chat": ("/v1/chat/completions", json.dumps(chat).encode()),
+    }
+
+
+MALFORMED_KINDS = (
+    "not_json",
+    "invalid_utf8",
+    "oversized_not_json",
+    "oversized_prompt",
+    "long_prompt",
+    "long_prompt_streamed",
+    "unknown_model",
+    "bad_max_tokens",
+    "token_out_of_vocab",
+    "bad_chat",
+)
+
+
+@pytest.mark.parametrize("kind", MALFORMED_KINDS)
+def test_malformed_request_while_asleep_gets_vllms_4xx_at_once(llama, wait_s, kind):
+    """What the H200 fuzz found: these waited out the bound and got 503."""
+    wait_s(10)
+    path, body = malformed(llama)[kind]
+
+    async def scenario(client, core):
+        awake = await timed_post(client, path, body)
+        await timed_post(client, "/sleep?level=1")
+        asleep = await timed_post(client, path, body)
+        return awake, asleep, core
+
+    awake, asleep, core = serve_vllm(llama, scenario)
+    assert 400 <= awake.status_code < 500, awake.text[:300]
+    assert (asleep.status_code, asleep.content) == (awake.status_code, awake.content)
+    assert asleep.seconds < 2  # the bound is 10 s
+    assert core.added() == []  # the engine saw neither
+
+
+def test_awake_engine_costs_no_round_trip(llama, wait_s):
+    wait_s(5)
+
+    async def scenario(client, core):
+        return await timed_post(client, "/v1/completions", completion(llama)), core
+
+    answer, core = serve_vllm(llama, scenario)
+    assert answer.status_code == 200
+    assert [call[0] for call in core.calls] == ["add"]
+
+
+def test_request_while_asleep_is_held_and_served_after_a_staged_wake(llama, wait_s):
+    wait_s(5)
+    several = completion(llama, ["The quick brown fox", "Sleep mode"], n=2, temperature=1.0)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=2")
+        held, *_ = await asyncio.gather(
+            timed_post(client, "/v1/completions", several),
+            timed_post(client, "/wake_up?tags=weights", delay=0.3),
+            timed_post(client, "/wake_up?tags=kv_cache", delay=0.6),
+        )
+        return held, core
+
+    held, core = serve_vllm(llama, scenario)
+    assert held.status_code == 200, held.text[:300]
+    choices = held.json()["choices"]
+    assert len(choices) == 4 and all(c["token_ids"] == [100, 101, 102, 103] for c in choices)
+    # Both prompts, both children of each, reach the engine only after the wake.
+    woken = core.calls.index(("wake_up", ["kv_cache"]))
+    added = [i for i, call in enumerate(core.calls) if call[0] == "add"]
+    assert len(added) == 4 and min(added) > woken
+
+
+def test_streamed_request_while_asleep_is_held_and_served_after_the_wake(llama, wait_s):
+    wait_s(5)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=1")
+        held, _ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama, stream=True)),
+            timed_post(client, "/wake_up", delay=0.3),
+        )
+        return held, core
+
+    held, core = serve_vllm(llama, scenario)
+    assert held.status_code == 200 and held.seconds >= 0.3
+    assert held.text.rstrip().endswith("data: [DONE]")
+    assert core.calls.index(("wake_up", None)) < core.calls.index(("add", core.added()[0]))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_while_asleep_gets_503_after_the_bound(llama, wait_s, stream):
+    wait_s(0.4)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=1")
+        answer = await timed_post(client, "/v1/completions", completion(llama, stream=stream))
+        # vLLM dropped the request: a wake does not send it to the engine.
+        await timed_post(client, "/wake_up")
+        await asyncio.sleep(0.3)
+        return answer, core.added()
+
+    answer, added = serve_vllm(llama, scenario)
+    assert 0.4 <= answer.seconds < 3
+    assert answer.status_code == 503  # a stream, too: its 200 was held back
     assert answer.headers["retry-after"] == "1"
     assert "asleep" in answer.json()["error"] and "/wake_up" in answer.json()["error"]
-    assert ("completion",) not in engine.calls  # the engine never saw it
+    assert added == []  # the engine never saw it
 
 
-def test_zero_wait_refuses_at_once_and_pause_counts_as_asleep(monkeypatch):
-    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "0")
-    patch.apply()
-    engine = StagedEngine()
-    app = gated_app(engine)
+def test_zero_wait_refuses_at_once_and_pause_counts_as_asleep(llama, wait_s):
+    wait_s(0)
 
-    @app.post("/pause")
-    async def pause() -> dict:  # vLLM's dev/rlhf route pauses the scheduler
-        engine.asleep = {"scheduling"}
-        return {"status": "paused"}
+    async def scenario(client, core):
+        await timed_post(client, "/pause")  # vLLM's dev/rlhf route
+        return await timed_post(client, "/v1/completions", completion(llama)), core
 
-    run(app, post("/pause"))
-    started = time.monotonic()
-    (answer,) = run(app, post("/v1/completions"))
-    assert answer.status_code == 503 and time.monotonic() - started < 1
+    answer, core = serve_vllm(llama, scenario)
+    assert answer.status_code == 503 and answer.seconds < 1
+    assert core.added() == []
 
 
-def test_root_path_is_honoured_by_the_gate(monkeypatch):
-    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "0")
-    patch.apply()
-    engine = StagedEngine()
-    app = gated_app(engine, root_path="/api")
-    run(app, post("/api/sleep?level=1"))
-    (answer,) = run(app, post("/api/v1/completions"))
-    assert answer.status_code == 503
+def test_root_path_is_honoured_by_the_gate(llama, wait_s):
+    wait_s(0)
+
+    async def scenario(client, core):
+        await timed_post(client, "/api/sleep?level=1")
+        return await timed_post(client, "/api/v1/completions", completion(llama))
+
+    assert serve_vllm(llama, scenario, "--root-path", "/api").status_code == 503
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
@@ -354,26 +527,68 @@ def test_bad_wait_bound_fails_at_start_up(monkeypatch, value):
         patch.apply()
 
 
-def test_a_failing_engine_check_lets_the_request_through_to_vllm(gate):
-    class DeadEngine(StagedEngine):
-        async def is_sleeping(self) -> bool:
-            raise RuntimeError("engine core died")
+def test_a_failing_engine_check_lets_the_request_through_to_vllm(llama, wait_s):
+    wait_s(5)
 
-    engine = DeadEngine()
-    app = gated_app(engine)
-    run(app, post("/sleep?level=1"))
-    (answer,) = run(app, post("/v1/completions"))
-    assert answer.status_code == 200 and ("completion",) in engine.calls
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=1")
+        core.asleep.clear()
+        core.check_fails = True
+        return await timed_post(client, "/v1/completions", completion(llama)), core
+
+    answer, core = serve_vllm(llama, scenario)
+    assert answer.status_code == 200 and len(core.added()) == 1
 
 
-def test_a_request_overtaken_by_a_sleep_is_bounded_too(monkeypatch):
+def test_a_request_overtaken_by_a_sleep_is_bounded_too(llama, wait_s):
     """It found the engine awake, then a /sleep reached the engine first: vLLM
     would queue it until a wake that may never come (seen in the H200 fuzz)."""
-    import asyncio
+    wait_s(0.4)
 
-    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, "0.4")
-    patch.apply()
-    engine = StagedEngine()
+    async def scenario(client, core):
+        core.busy_s = 0.3
+        answer, _ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)),
+            timed_post(client, "/sleep?level=1&mode=keep", delay=0.1),
+        )
+        return answer, list(core.calls), core.added()
+
+    answer, calls, added = serve_vllm(llama, scenario)
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+    assert 0.4 <= answer.seconds < 3
+    assert ("abort", added) in calls  # vLLM aborted it in the engine before the 503
+
+
+def test_a_request_overtaken_by_a_short_sleep_is_served(llama, wait_s):
+    wait_s(5)
+
+    async def scenario(client, core):
+        core.busy_s = 0.2
+        answer, *_ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)),
+            timed_post(client, "/sleep?level=1&mode=keep", delay=0.05),
+            timed_post(client, "/wake_up", delay=0.5),
+        )
+        return answer
+
+    answer = serve_vllm(llama, scenario)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["token_ids"] == [
+        100,
+        101,
+        102,
+        103,
+    ]
+
+
+def test_a_handler_that_ignores_the_cut_off_is_cancelled(wait_s):
+    """vLLM's handlers stop when AsleepGate cuts a refused request off (they
+    see the client go); one that does not listen for that (a streaming response
+    under ASGI spec 2.4, say) is cancelled after a grace."""
+    import httpx
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    wait_s(0.2)
+    engine = FakeEngineClient()
     app = FastAPI()
     api_router.attach_router(app)
     app.state.engine_client = engine
@@ -381,41 +596,20 @@ def test_a_request_overtaken_by_a_sleep_is_bounded_too(monkeypatch):
 
     @app.post("/v1/completions")
     async def completions() -> dict:
-        engine.calls.append(("completion",))
         try:
-            while engine.asleep or len(engine.calls) < 3:  # queued in the engine
-                await asyncio.sleep(0.05)
+            # Where vLLM hands a request to the engine; held while asleep.
+            await AsyncLLM._add_request(engine, None, None, None, 0, None)
         except asyncio.CancelledError:
-            cancelled.append(True)  # vLLM aborts the request here
+            cancelled.append(True)
             raise
         return {"served": True}
 
-    started = time.monotonic()
-    answer, _ = run(app, post("/v1/completions"), post("/sleep?level=1", delay=0.1))
-    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
-    assert cancelled == [True]
-    assert 0.4 <= time.monotonic() - started < 3
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await timed_post(client, "/sleep?level=1")
+            return await timed_post(client, "/v1/completions")
 
-
-def test_a_request_overtaken_by_a_short_sleep_is_served(gate):
-    import asyncio
-
-    engine = StagedEngine()
-    app = FastAPI()
-    api_router.attach_router(app)
-    app.state.engine_client = engine
-
-    @app.post("/v1/completions")
-    async def completions() -> dict:
-        await asyncio.sleep(0.2)
-        while engine.asleep:
-            await asyncio.sleep(0.05)
-        return {"served": True}
-
-    answer, *_ = run(
-        app,
-        post("/v1/completions"),
-        post("/sleep?level=1", delay=0.05),
-        post("/wake_up", delay=0.5),
-    )
-    assert answer.status_code == 200 and answer.json() == {"served": True}
+    answer = asyncio.run(scenario())
+    assert answer.status_code == 503 and cancelled == [True]
+    assert 0.2 + patch.DISCONNECT_GRACE_S <= answer.seconds < 3

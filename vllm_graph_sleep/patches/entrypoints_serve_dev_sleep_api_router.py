@@ -21,18 +21,25 @@ paused engine and serves it once the engine is fully awake (EngineCore.sleep:
 "Requests are still accepted but not processed"; pause_scheduler: "All pause
 modes queue new adds"), with no bound: a completion sent to a sleeping server
 waited as long as the sleep did. We keep upstream's choice, held and served
-after the wake, and add the bound: a second middleware, AsleepGate, holds an
-inference request (INFERENCE_PATHS) in the API server while the engine sleeps
-or is paused and lets it through unchanged once the engine is awake; if the
-engine is still asleep after VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S seconds (default
-30; 0 refuses at once) the request gets 503 with Retry-After and a JSON error,
-and the engine never sees it. A request that found the engine awake but was
-overtaken by a /sleep is bounded the same way: cancelled (vLLM aborts it) and
-answered 503 if the engine stays asleep for the whole bound before it answers.
-It asks the engine (is_sleeping) only after this API server forwarded a /sleep
-or /pause, or on every inference request when several API server processes
-share the engine (--api-server-count > 1),
-where another process may have put it to sleep.
+after the wake, and add the bound: a second middleware, AsleepGate, watches
+each inference request (INFERENCE_PATHS). vLLM reads, validates and tokenizes
+it as it would awake, so a request it rejects (not JSON or not UTF-8, a prompt
+longer than max_model_len, an unknown model, bad sampling parameters) gets
+vLLM's own 4xx at once, while asleep too, and never reaches the engine. A valid
+one is held where vLLM hands it to the engine (AsyncLLM._add_request, patch
+vllm.v1.engine.async_llm) while the engine sleeps or is paused, and goes on
+unchanged once it is awake; if the engine is still asleep after
+VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S seconds there (default 30; 0 refuses at once)
+the request is cancelled and gets 503 with Retry-After and a JSON error, and
+the engine never sees it. A streaming response starts (200) before vLLM asks
+the engine, so for a request that arrives while the engine may be asleep the
+gate holds back what vLLM sends until the request has passed that point. A
+request that found the engine awake but was overtaken by a /sleep is bounded
+the same way: cancelled (vLLM aborts it) and answered 503 if the engine stays
+asleep for the whole bound before it answers. It asks the engine
+(is_sleeping) only after this API server forwarded a /sleep or /pause, or on
+every inference request when several API server processes share the engine
+(--api-server-count > 1), where another process may have put it to sleep.
 
 Remove when: SleepRequestValidation, on vLLM 0.33+ (it validates level and
 mode); AsleepGate, when vLLM bounds the wait of a request sent to a sleeping
@@ -51,6 +58,7 @@ from starlette.datastructures import QueryParams
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm_graph_sleep.patches import v1_engine_async_llm
 from vllm_graph_sleep.patches._wrap import (
     VERIFIED_VLLM,
     IncompatibleVllmError,
@@ -91,6 +99,8 @@ DEFAULT_ASLEEP_WAIT_S = 30.0
 #: How often a held request asks the engine whether it is awake.
 POLL_S = 0.1
 RETRY_AFTER_S = 1
+#: How long a refused request's handler gets to stop on its own (see _watch).
+DISCONNECT_GRACE_S = 1.0
 SLEEP_LEVELS = (0, 1, 2)
 # What EngineCore.pause_scheduler accepts (vllm/v1/engine/core.py); stock lets
 # any other value travel to the engine core before it fails there.
@@ -168,9 +178,99 @@ def asleep_wait_s() -> float:
     return value
 
 
+class _Hold:
+    """One inference request on its way through AsleepGate.
+
+    vLLM reads, validates and tokenizes the request as it would awake; the
+    patched AsyncLLM._add_request calls until_awake before the request reaches
+    the engine. A streaming response starts (200) before vLLM asks the engine,
+    so when the engine may be asleep as the request arrives, what vLLM sends is
+    held back until the request has passed that point or vLLM has answered it
+    without the engine (a 4xx): a request refused there still gets its 503."""
+
+    def __init__(
+        self, gate: AsleepGate, state: Any, receive: Receive, send: Send, hold_back: bool
+    ) -> None:
+        self.gate = gate
+        self.state = state
+        self._receive = receive
+        self._send = send
+        self._held_back: list | None = [] if hold_back else None
+        self._sending = asyncio.Lock()  # held-back messages go out before later ones
+        self._admitting = asyncio.Lock()  # n > 1 or several prompts: one waits, all pass
+        self.started = False  # the client has the response's start
+        self.submitted = False  # passed on to the engine
+        self.refused = asyncio.get_running_loop().create_future()
+        self.over = asyncio.Event()  # AsleepGate is done with the HTTP exchange
+
+    def refuse(self) -> None:
+        """Cuts the request off: vLLM sees its client go (it stops the request
+        and aborts it in the engine, as on a real disconnect), and what vLLM
+        still sends is dropped, since AsleepGate answers 503 instead."""
+        if not self.refused.done():
+            self.refused.set_result(None)
+            self._held_back = []
+
+    async def receive(self) -> Any:
+        if not self.refused.done():
+            message = asyncio.ensure_future(self._receive())
+            try:
+                await asyncio.wait({message, self.refused}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                message.cancel()
+                raise
+            if message.done():
+                return message.result()
+            message.cancel()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: Any) -> None:
+        async with self._sending:
+            if self.refused.done():
+                return
+            if self._held_back is None:
+                await self._forward(message)
+            else:
+                self._held_back.append(message)
+
+    async def release(self) -> None:
+        async with self._sending:
+            held_back, self._held_back = self._held_back or [], None
+            for message in held_back:
+                await self._forward(message)
+
+    async def _forward(self, message: Any) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self._send(message)
+
+    async def until_awake(self, engine: Any) -> None:
+        """Returns when the request may go to the engine (see _wait_awake)."""
+        async with self._admitting:
+            # A started response can no longer become a 503, and work that
+            # outlives the exchange (a background response) is no longer ours:
+            # both go on as stock vLLM sends them.
+            free = self.submitted or self.started or self.over.is_set()
+            if not free and self.gate.may_be_asleep(self.state):
+                await self._wait_awake(engine)
+            self.submitted = True
+        await self.release()
+
+    async def _wait_awake(self, engine: Any) -> None:
+        deadline = time.monotonic() + self.gate.wait_s
+        while await AsleepGate._is_sleeping(engine):
+            if time.monotonic() >= deadline:
+                self.refuse()
+                # vLLM cancels the request now; only work that outlives the
+                # exchange gets past this, and goes to the engine as stock.
+                await self.over.wait()
+                return
+            await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        self.gate.note_awake()
+
+
 class AsleepGate:
-    """Holds inference requests while the engine sleeps or is paused; 503 with
-    Retry-After once the wait bound has passed (see the module docstring)."""
+    """Holds valid inference requests while the engine sleeps or is paused; 503
+    with Retry-After once the wait bound has passed (see the module docstring)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -199,10 +299,40 @@ class AsleepGate:
             await self.app(scope, receive, send)
             return
         state = scope["app"].state
-        if not await self._awake_in_time(state):
-            await self._refuse(scope, receive, send)
+        hold = _Hold(self, state, receive, send, hold_back=self.may_be_asleep(state))
+        # The task copies the context: vLLM's handler, and the tasks it starts,
+        # find the hold at AsyncLLM._add_request.
+        token = v1_engine_async_llm.REQUEST_HOLD.set(hold)
+        try:
+            task = asyncio.ensure_future(self.app(scope, hold.receive, hold.send))
+        finally:
+            v1_engine_async_llm.REQUEST_HOLD.reset(token)
+        try:
+            await self._watch(task, hold, state)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            hold.over.set()  # only once no task serves the exchange any more
+        if hold.refused.done():
+            if not hold.started:
+                await self._refuse(scope, receive, send)
             return
-        await self._bounded(scope, receive, send, state)
+        await hold.release()  # answered without the engine: a 4xx goes out now
+        task.result()
+
+    def may_be_asleep(self, state: Any) -> bool:
+        """Whether a request must ask the engine before it goes in: after this
+        server forwarded a /sleep or /pause, or always when several API server
+        processes share the engine (another one may have put it to sleep)."""
+        if getattr(state, "engine_client", None) is None:  # not serving yet
+            return False
+        args = getattr(state, "args", None)
+        return self.maybe_asleep or (getattr(args, "api_server_count", None) or 1) > 1
+
+    def note_awake(self) -> None:
+        if self.sleeps_in_flight == 0:
+            self.maybe_asleep = False
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = (
@@ -212,27 +342,27 @@ class AsleepGate:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
         await JSONResponse({"error": message}, 503, headers)(scope, receive, send)
 
-    async def _bounded(self, scope: Scope, receive: Receive, send: Send, state: Any) -> None:
-        """Forwards a request that found the engine awake. A /sleep may still
-        reach the engine before it: vLLM then queues the request until the wake
-        (3 of 575 requests waited past 120 s in the H200 fuzz). If the engine
-        has been asleep for the whole bound and no answer has started, the
-        request is cancelled (vLLM aborts it in the engine) and answered 503."""
-        started = False
+    async def _watch(self, task: asyncio.Future, hold: _Hold, state: Any) -> None:
+        """Returns once vLLM is done with the request, or has been cut off.
 
-        async def send_and_note(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        task = asyncio.ensure_future(self.app(scope, receive, send_and_note))
+        A request is refused when held at the engine's door for the whole bound
+        (_Hold), or when it was passed on to an awake engine that a /sleep then
+        reached first: vLLM queues it until the wake (3 of 575 requests waited
+        past 120 s in the H200 fuzz), so once the engine has been asleep for the
+        whole bound and no answer has started, it is refused too."""
         asleep_since: float | None = None
         while True:
-            done, _ = await asyncio.wait({task}, timeout=POLL_S)
-            if done:
-                task.result()
+            done, _ = await asyncio.wait(
+                {task, hold.refused}, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if task in done:
                 return
-            if started or not self.maybe_asleep:
+            if hold.refused in done:
+                # vLLM's handlers stop at once on a disconnect; the caller
+                # cancels one that does not listen for it.
+                await asyncio.wait({task}, timeout=DISCONNECT_GRACE_S)
+                return
+            if hold.started or not hold.submitted or not self.maybe_asleep:
                 asleep_since = None
                 continue
             engine = getattr(state, "engine_client", None)
@@ -241,27 +371,7 @@ class AsleepGate:
                 continue
             asleep_since = asleep_since or time.monotonic()
             if time.monotonic() - asleep_since >= self.wait_s:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                if not started:
-                    await self._refuse(scope, receive, send)
-                return
-
-    async def _awake_in_time(self, state: Any) -> bool:
-        args = getattr(state, "args", None)
-        if not (self.maybe_asleep or (getattr(args, "api_server_count", None) or 1) > 1):
-            return True
-        engine = getattr(state, "engine_client", None)
-        if engine is None:  # not serving yet: vLLM answers as it would
-            return True
-        deadline = time.monotonic() + self.wait_s
-        while await self._is_sleeping(engine):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
-        if self.sleeps_in_flight == 0:
-            self.maybe_asleep = False
-        return True
+                hold.refuse()
 
     @staticmethod
     async def _is_sleeping(engine: Any) -> bool:
@@ -311,6 +421,8 @@ def apply() -> None:
     from vllm.entrypoints.serve.dev.sleep import api_router
 
     asleep_wait_s()  # a bad value fails at start-up, not at the first request
+    # AsleepGate holds requests at the point that patch adds.
+    v1_engine_async_llm.apply()
     require(api_router, "attach_router", where=WHERE, parameters=("app",))
     _require_post_routes(require(api_router, "router", where=WHERE))
     wrap_function(api_router, "attach_router", _wrap_attach_router, where=WHERE)

@@ -1,0 +1,61 @@
+"""Patch: vllm.v1.engine.async_llm (AsyncLLM._add_request).
+
+vLLM symbol: the method AsyncLLM._add_request(request, prompt, parent_req,
+index, queue), through which the API server process hands every request to the
+engine core: AsyncLLM.generate and encode (so every OpenAI, Anthropic, pooling
+and token-in route) reach it via add_request, once per request (once per child
+for n > 1). Verified against vLLM 0.26.0.
+
+Why: AsleepGate (patch vllm.entrypoints.serve.dev.sleep.api_router) holds
+inference requests while the engine sleeps. Holding them before vLLM reads
+them made a malformed request (not JSON, not UTF-8, a prompt longer than
+max_model_len, an unknown model, ...) wait out the bound and get 503, where an
+awake server answers 400 or 404 at once. By the time _add_request runs, vLLM
+has parsed and validated the body, rendered and tokenized the prompt, checked
+its length and the sampling parameters (route handler, renderer and
+InputProcessor.process_inputs, all in the API server), so every request it
+rejects has been rejected with its own 4xx, and nothing has reached the engine
+core yet. The wrapper waits here, before the original runs, while the request
+carries a hold (REQUEST_HOLD, set by AsleepGate for the tasks that serve one
+HTTP request); without one it only reads that context variable.
+
+Applied only with VLLM_SERVER_DEV_MODE=1, the only mode that has AsleepGate.
+
+Remove when: AsleepGate goes (vLLM bounds the wait of a request sent to a
+sleeping engine; 0.33 does not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any
+
+from vllm_graph_sleep.patches._wrap import require, wrap_function
+
+WHERE = "vllm.v1.engine.async_llm.AsyncLLM"
+
+#: The hold of the HTTP request being served: an object whose
+#: `async until_awake(engine)` returns once the request may go to the engine.
+REQUEST_HOLD: ContextVar[Any] = ContextVar("vllm_graph_sleep_request_hold", default=None)
+
+
+def _wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def _add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        hold = REQUEST_HOLD.get()
+        if hold is not None:
+            await hold.until_awake(self)
+        return await original(self, *args, **kwargs)
+
+    return _add_request
+
+
+def apply() -> None:
+    from vllm import envs
+
+    if not envs.VLLM_SERVER_DEV_MODE:
+        return
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    require(AsyncLLM, "_add_request", where=WHERE, parameters=("request", "queue"))
+    wrap_function(AsyncLLM, "_add_request", _wrap_add_request, where=WHERE)
