@@ -604,7 +604,8 @@ def is_bench_run(data: Any) -> bool:
 
 def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
     # The same rows, labels and ratios as `vllm-graph-sleep bench` prints.
-    from vllm_graph_sleep.bench.report import CONFIG_LABELS, RATIO_NOTE, table_rows
+    from vllm_graph_sleep.bench.ledger_table import NOTE as LEDGER_NOTE
+    from vllm_graph_sleep.bench.report import CONFIG_LABELS, RATIO_NOTE, ledger_rows, table_rows
 
     title = f"`vllm-graph-sleep bench`: stock vs graph offload over HTTP ({name})"
     settings = data.get("settings") or {}
@@ -631,6 +632,9 @@ def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
         "",
     ]
     lines += table(["", *[code(c) for c in names]], rows)
+    _, ledger_lines = ledger_rows(data)
+    if ledger_lines:
+        lines += ["", LEDGER_NOTE, "", *table(["", *[code(c) for c in names]], ledger_lines)]
     plot = f"{Path(name).stem}.png"
     lines += ["", f"![GPU memory through the cycles]({plot})"]
     return Section(title, name, lines, "cuda" if host.get("gpus") else None)

@@ -13,11 +13,13 @@ import torch
 
 from vllm_graph_sleep import config
 from vllm_graph_sleep.allocator import GraphSleepAllocator
+from vllm_graph_sleep.ledger import ledger
 
 
 def memory_report(worker: Any) -> dict[str, Any]:
     """What this worker holds: per-tag bytes of whichever sleep-mode allocator
-    serves it, torch's own reserved memory, and the driver's view."""
+    serves it, torch's own reserved memory, the driver's view, and the ledger
+    of what its GPU holds and why (vllm_graph_sleep.ledger)."""
     free, total = torch.cuda.mem_get_info()
     report: dict[str, Any] = {
         "graph_offload_active": config.is_active(),
@@ -32,6 +34,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
         "foreign_pool_bytes": foreign_pool_bytes(
             torch.cuda.memory_snapshot(), sleep_allocator_addresses()
         ),
+        "ledger": ledger(torch.cuda.current_device()),
     }
     # The allocator that serves this engine: an earlier engine of this process
     # may have left ours behind with the flag off now.

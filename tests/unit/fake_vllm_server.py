@@ -41,6 +41,8 @@ TOTAL = 140 * 1024 * MiB  # the fake GPU's memory
 IDLE = 500 * MiB  # what the fake NVML reports with no server (tests read the same)
 CONTEXT = 400 * MiB
 SIZES = {"weights": 200 * MiB, "kv_cache": 2000 * MiB, "cudagraph": 500 * MiB}
+STACK = 264 * MiB  # the context's stack reservation (ours gives it back while asleep)
+GRAPHS = 67
 
 
 class State:
@@ -116,7 +118,35 @@ class State:
             }
             report["allocator"] = "vllm_graph_sleep"
             report["host_bytes"] = sum(t["backed_up"] for t in tags.values())
+        report["ledger"] = self.ledger(tags)
         return report
+
+    def ledger(self, tags: dict) -> dict:
+        """The worker's ledger as vllm_graph_sleep.ledger shapes it: the context
+        and what the sleep-mode allocator and torch's graph pools hold."""
+        mapped = sum(t["mapped"] for t in tags.values())
+        ours = self.config == "ours"
+        asleep = not any(self.mapped.values())
+        fields = {
+            "device": 0,
+            "nvml_used": self.used() - IDLE,
+            "nvml_used_source": "nvml process",
+            "stack_reservation": 0 if ours and asleep else STACK,
+            "our_pools_mapped": mapped if ours else 0,
+            "vllm_cumem_mapped": 0 if ours else mapped,
+            "torch_reserved_outside_pools": self.graphs if self.config == "stock_graphs" else 0,
+            "nccl_buffers": None,
+            "cublas_workspaces": 32 * MiB,
+            "instantiated_graphs": 0 if self.config == "stock_eager" else GRAPHS,
+            "cuda_modules": None,
+            "estimated": {"cublas_workspaces": "one workspace of torch's default"},
+            "unavailable": {"cuda_modules": "not countable", "nccl_buffers": "TP=1"},
+        }
+        summed = ("stack_reservation", "our_pools_mapped", "vllm_cumem_mapped")
+        summed += ("torch_reserved_outside_pools",)
+        fields["attributed"] = sum(fields[name] for name in summed)
+        fields["unattributed"] = fields["nvml_used"] - fields["attributed"]
+        return fields
 
     def tokens(self, prompt: str, count: int) -> list[int]:
         seed = hashlib.sha256(prompt.encode()).digest()

@@ -404,6 +404,10 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     assert summary["ours"]["asleep_mib"]["1"] == [400]  # graphs offloaded
     assert summary["stock_graphs"]["asleep_mib"]["1"] == [900]  # graphs stay
     assert summary["ours"]["tags_awake_mib"]["cudagraph"] == [500]
+    # The probe's ledger at every sleep, side by side: ours gives the stack back.
+    assert "asleep L1: stack reservation (MiB)" in captured.out
+    stacks = [summary[c]["ledger_asleep"]["1"][0]["stack_reservation"] for c in by_name]
+    assert stacks == [0, 264 * MiB, 264 * MiB]
     assert (out / "memory.png").stat().st_size > 20_000
     assert (out / "table.txt").read_text() in captured.out
 

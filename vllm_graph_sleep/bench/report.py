@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_graph_sleep.bench import ledger_table
 from vllm_graph_sleep.bench.server import CONFIG_LABELS
 
 SCHEMA = "vllm-graph-sleep-bench/1"
@@ -58,7 +59,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     if "awake_used_bytes" in record:
         summary["awake_mib"] = _over(record["awake_used_bytes"], base)
     summary["tags_awake_mib"] = _tag_mib(record.get("awake_report"), "mapped")
-    asleep, freed, sleep_ms, host, tags_asleep = {}, {}, {}, {}, {}
+    asleep, freed, sleep_ms, host, tags_asleep, ledgers = {}, {}, {}, {}, {}, {}
     for level in sorted({s["level"] for s in steps}):
         mine = [s for s in steps if s["level"] == level]
         key = str(level)
@@ -73,6 +74,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             backups = [r.get("host_bytes") for r in last_report]
             if all(b is not None for b in backups):
                 host[key] = [b / MiB for b in backups]
+            if any(r.get("ledger") for r in last_report):
+                ledgers[key] = [r.get("ledger") for r in last_report]
     wake_ms = {}
     for level, wake in sorted({(s["level"], s["wake"]) for s in steps}):
         mine = [s for s in steps if (s["level"], s["wake"]) == (level, wake)]
@@ -83,6 +86,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         freed_mib=freed,
         tags_asleep_mib=tags_asleep,
         host_backup_mib=host,
+        ledger_asleep=ledgers,
         sleep_ms=sleep_ms,
         wake_ms=wake_ms,
         reload_ms=1000 * _median(reloads) if reloads else None,
@@ -192,21 +196,36 @@ RATIO_NOTE = (
 )
 
 
-def format_table(results: dict[str, Any]) -> str:
-    """One table, configurations side by side, each figure with its ratio to stock."""
-    names, lines, baseline = table_rows(results)
-    header = ["", *[CONFIG_LABELS.get(n, n) for n in names]]
+def ledger_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The ledger while asleep as text cells: the configurations (columns) and one
+    row per level, field and GPU (bench.ledger_table); no rows without ledgers."""
+    summaries = summarize_all(results)
+    return list(summaries), ledger_table.rows(summaries)
+
+
+def _aligned(header: list[str], lines: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
 
     def render(row: list[str]) -> str:
         cells = [c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)]
         return "  ".join(cells).rstrip()
 
+    return [render(header), "  ".join("-" * w for w in widths), *map(render, lines)]
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """One table, configurations side by side, each figure with its ratio to stock;
+    then the ledger while asleep, side by side the same way."""
+    names, lines, baseline = table_rows(results)
+    header = ["", *[CONFIG_LABELS.get(n, n) for n in names]]
     summaries = summarize_all(results)
-    out = [render(header), "  ".join("-" * w for w in widths), *map(render, lines)]
+    out = _aligned(header, lines)
     out += [f"error ({n}): {s['error']}" for n, s in summaries.items() if s.get("error")]
     if baseline:
         out.append(f"ratios: against {CONFIG_LABELS.get(baseline, baseline)}. {RATIO_NOTE}")
+    _, ledger_lines = ledger_rows(results)
+    if ledger_lines:
+        out += ["", *_aligned(header, ledger_lines), ledger_table.NOTE]
     return "\n".join(out)
 
 
