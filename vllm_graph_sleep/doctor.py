@@ -333,6 +333,22 @@ def graphs_state(engine_args: Any, resolved: Any) -> tuple[bool, str, str]:
     )
 
 
+def breakable_order_warning(resolved: Any) -> str | None:
+    """Breakable graphs need VLLM_USE_BREAKABLE_CUDAGRAPH set before vLLM's
+    attention layers are imported (vllm_graph_sleep.breakable_order)."""
+    mode = resolved.compilation_config.cudagraph_mode
+    if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") != "1" or mode is None:
+        return None
+    if not mode.has_piecewise_cudagraphs():
+        return None
+    return (
+        "VLLM_USE_BREAKABLE_CUDAGRAPH=1 must be set before the process that starts the engine "
+        "imports vLLM's attention layers: otherwise vLLM 0.26 captures attention inside its "
+        "breakable graphs and fails at the first request with an illegal memory access, stock "
+        "vLLM too (the plugin stops such an engine at start, naming the cause)"
+    )
+
+
 def full_mode_warning(resolved: Any) -> str | None:
     """cudagraph_mode FULL gave wrong tokens on both of vLLM 0.26's model runners, stock
     vLLM included, with or without sleep (docs/results/engine-h200.md, third and fourth
@@ -581,9 +597,9 @@ def diagnose(
         diag.problems.append(
             (missing_model, "give the folder that holds the model's config.json, or a Hub id")
         )
-    full_mode = full_mode_warning(resolved)
-    if full_mode:
-        diag.warnings.append(full_mode)
+    for warning in (full_mode_warning(resolved), breakable_order_warning(resolved)):
+        if warning:
+            diag.warnings.append(warning)
     if gate.active:
         diag.add(
             "graph offload",

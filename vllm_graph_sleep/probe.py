@@ -21,6 +21,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
     serves it, torch's own reserved memory, the driver's view, and the ledger
     of what its GPU holds and why (vllm_graph_sleep.ledger)."""
     free, total = torch.cuda.mem_get_info()
+    segments = torch.cuda.memory_snapshot()
     report: dict[str, Any] = {
         "graph_offload_active": config.is_active(),
         "pid": os.getpid(),
@@ -32,8 +33,9 @@ def memory_report(worker: Any) -> dict[str, Any]:
         "custom_all_reduce_captures": custom_all_reduce_captures(),
         "cudagraphs_captured": cudagraphs_captured(),
         "foreign_pool_bytes": foreign_pool_bytes(
-            torch.cuda.memory_snapshot(), sleep_allocator_addresses()
+            segments, sleep_allocator_addresses(), _pools_of_earlier_engines
         ),
+        "earlier_engines_pool_bytes": pool_bytes(segments, _pools_of_earlier_engines),
         "ledger": ledger(torch.cuda.current_device()),
     }
     # The allocator that serves this engine: an earlier engine of this process
@@ -75,16 +77,50 @@ def sleep_allocator_addresses() -> set[int]:
     return addresses
 
 
-def foreign_pool_bytes(segments: list[dict[str, Any]], sleep_addresses: set[int]) -> int:
+#: Private pools that held memory when this process's current engine started
+#: its worker: an earlier in-process engine's graph pools (vLLM 0.26 keeps some
+#: of its graphs referenced after shutdown). Pool ids are never reused, so none
+#: of these can hold a graph of the current engine.
+_pools_of_earlier_engines: frozenset[tuple[int, int]] = frozenset()
+
+
+def remember_pools_of_earlier_engines() -> None:
+    """Called as a worker starts. A process whose CUDA is not up yet (a fresh
+    worker process) has no earlier engine, and must not start CUDA here."""
+    global _pools_of_earlier_engines
+    if not torch.cuda.is_initialized():
+        _pools_of_earlier_engines = frozenset()
+        return
+    _pools_of_earlier_engines = frozenset(
+        tuple(segment["segment_pool_id"])
+        for segment in torch.cuda.memory_snapshot()
+        if tuple(segment["segment_pool_id"]) != ORDINARY_POOL
+    )
+
+
+#: Pool id of torch's ordinary (non-private) caching allocator segments.
+ORDINARY_POOL = (0, 0)
+
+
+def pool_bytes(segments: list[dict[str, Any]], pools: frozenset[tuple[int, int]]) -> int:
+    return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) in pools)
+
+
+def foreign_pool_bytes(
+    segments: list[dict[str, Any]],
+    sleep_addresses: set[int],
+    earlier_pools: frozenset[tuple[int, int]] = frozenset(),
+) -> int:
     """Bytes of private-pool segments (`segments` as torch.cuda.memory_snapshot()
-    lists them; pool (0, 0) is torch's ordinary allocator) that no sleep-mode
-    allocator made, so no sleep releases them: graph pools. With graph offload,
-    a capture site that escaped our graph pool shows up here; in stock vLLM,
-    all its graphs."""
+    lists them) that no sleep-mode allocator made, so no sleep releases them:
+    graph pools. With graph offload, a capture site of this engine that escaped
+    our graph pool shows up here; in stock vLLM, all its graphs. Pools of
+    earlier engines of this process (`earlier_pools`) are left out."""
     return sum(
         segment["total_size"]
         for segment in segments
-        if tuple(segment["segment_pool_id"]) != (0, 0) and segment["address"] not in sleep_addresses
+        if tuple(segment["segment_pool_id"]) not in earlier_pools | {ORDINARY_POOL}
+        and segment["address"] not in sleep_addresses
     )
 
 

@@ -11,6 +11,7 @@ does for a process that exits.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -30,7 +31,15 @@ def main() -> int:
         used = IDLE
     free = TOTAL - used
     held = max(free - args.margin, 0)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    def give_back_and_exit(*_) -> None:
+        # The harness closes stdin and then terminates: the signal can land
+        # while the finally below runs, so the handler gives the memory back
+        # itself (an exception raised there would skip the unlink).
+        args.pressure_file.unlink(missing_ok=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, give_back_and_exit)
     try:
         args.pressure_file.write_text(str(held))
         print(f"READY {held} {free} {free - held}", flush=True)

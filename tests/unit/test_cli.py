@@ -704,6 +704,19 @@ def test_doctor_warns_about_full_mode_on_either_model_runner(
 
 
 @pytest.mark.parametrize(
+    ("mode", "env", "warned"),
+    [("PIECEWISE", "1", True), ("FULL_AND_PIECEWISE", "1", True), ("PIECEWISE", "0", False)],
+)
+def test_doctor_warns_that_breakable_graphs_need_the_variable_before_attention_imports(
+    capsys, monkeypatch, mode, env, warned
+):
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", env)
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, "-cc.cudagraph_mode", mode)
+    assert code == 0
+    assert ("must be set before the process that starts the engine imports" in out) == warned, out
+
+
+@pytest.mark.parametrize(
     ("value", "expected"),
     [
         ("1", "1 (from your environment, kept; WARNING"),

@@ -112,6 +112,14 @@ def fake_allocator(monkeypatch):
     return driver, manager
 
 
+def engine_config(on: bool) -> SimpleNamespace:
+    """What the init_device wrapper reads of a VllmConfig; `on` is the gate."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    return SimpleNamespace(on=on, model_config=SimpleNamespace(), compilation_config=compilation)
+
+
 @pytest.fixture
 def worker_patch(monkeypatch, fake_allocator):
     monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
@@ -129,7 +137,7 @@ def worker_patch(monkeypatch, fake_allocator):
 
 def test_worker_sets_nccl_before_init_device_and_activates_after(worker_patch):
     init_device, routed = worker_patch
-    worker = FakeWorker(SimpleNamespace(on=True, model_config=SimpleNamespace()))
+    worker = FakeWorker(engine_config(on=True))
     init_device(worker)
     assert worker.seen_nccl == "0"
     assert config.is_active() and routed == [1]
@@ -138,7 +146,7 @@ def test_worker_sets_nccl_before_init_device_and_activates_after(worker_patch):
 
 def test_worker_touches_nothing_when_the_gate_is_off(worker_patch):
     init_device, routed = worker_patch
-    worker = FakeWorker(SimpleNamespace(on=False, model_config=SimpleNamespace()))
+    worker = FakeWorker(engine_config(on=False))
     init_device(worker)
     assert worker.seen_nccl == "unset"
     assert not config.is_active() and routed == []
@@ -153,7 +161,7 @@ def test_a_second_engine_starts_beside_what_the_first_still_holds(
     with manager.use_memory_pool("weights"):
         leftover = driver.malloc(PAGE)  # e.g. a rotary table vLLM caches per process
         driver.write(leftover, 9)
-    worker = FakeWorker(SimpleNamespace(on=True, model_config=SimpleNamespace()))
+    worker = FakeWorker(engine_config(on=True))
     with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
         init_device(worker)
     assert "2.00 MiB of an earlier engine" in caplog.text
@@ -445,3 +453,26 @@ def test_probe_counts_private_pool_segments_no_sleep_allocator_made():
     assert foreign_pool_bytes(segments, ours | {0x1000}) == 24 << 20
     assert foreign_pool_bytes(segments, set()) == 30 << 20
     assert foreign_pool_bytes(segments[:3], ours) == 0
+    # An earlier in-process engine's graph pool is not this engine's.
+    assert foreign_pool_bytes(segments, ours, frozenset({(0, 7)})) == 0
+    assert foreign_pool_bytes(segments, set(), frozenset({(0, 7)})) == 6 << 20
+
+
+def test_probe_remembers_pools_only_where_cuda_is_already_up(monkeypatch):
+    from vllm_graph_sleep import probe
+
+    segments = [
+        {"segment_pool_id": (0, 0), "address": 0x1000, "total_size": 1 << 20},
+        {"segment_pool_id": (0, 7), "address": 0x4000, "total_size": 8 << 20},
+    ]
+    monkeypatch.setattr(probe.torch.cuda, "memory_snapshot", lambda: segments)
+    monkeypatch.setattr(probe, "_pools_of_earlier_engines", frozenset())
+    monkeypatch.setattr(probe.torch.cuda, "is_initialized", lambda: True)
+    probe.remember_pools_of_earlier_engines()
+    assert probe._pools_of_earlier_engines == {(0, 7)}
+    assert probe.pool_bytes(segments, probe._pools_of_earlier_engines) == 8 << 20
+    # A fresh worker process: nothing earlier, and CUDA is not started here.
+    monkeypatch.setattr(probe.torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(probe.torch.cuda, "memory_snapshot", lambda: pytest.fail("CUDA started"))
+    probe.remember_pools_of_earlier_engines()
+    assert probe._pools_of_earlier_engines == frozenset()

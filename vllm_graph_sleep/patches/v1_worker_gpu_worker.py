@@ -28,7 +28,15 @@ gate is on in this worker, this patch
   back at nothing and marks the process inactive, so that a next engine in the
   same process (vLLM's test suites make several) starts as if it were the
   first, with graph offload on or off.
-With the gate off every wrapper calls straight through (stock behaviour).
+With the gate off every wrapper calls straight through (stock behaviour),
+except that init_device, on or off, first
+- stops an engine whose breakable graphs would capture attention because vLLM's
+  attention modules were imported before VLLM_USE_BREAKABLE_CUDAGRAPH was set
+  (vllm_graph_sleep.breakable_order: stock vLLM 0.26 fails at the first request
+  with an illegal memory access there);
+- notes the private pools an earlier engine of this process left
+  (probe.remember_pools_of_earlier_engines), so the probe does not count them
+  as graphs of this engine that escaped our pool.
 
 Remove when: the plugin moves to a vLLM with the feature (upstream PRs #59160
 and #59523, released in 0.33).
@@ -47,7 +55,9 @@ from vllm_graph_sleep.allocator import (
     GraphSleepAllocator,
     format_bytes,
 )
+from vllm_graph_sleep.breakable_order import check_attention_breaks
 from vllm_graph_sleep.patches._wrap import require, wrap_function
+from vllm_graph_sleep.probe import remember_pools_of_earlier_engines
 
 logger = logging.getLogger("vllm.graph_sleep")
 WHERE = "vllm.v1.worker.gpu_worker"
@@ -91,6 +101,8 @@ def orphan_leftovers(allocator: GraphSleepAllocator) -> None:
 
 def _wrap_init_device(original):
     def init_device(self, *args, **kwargs):
+        check_attention_breaks(self.vllm_config)
+        remember_pools_of_earlier_engines()
         gate = config.evaluate_gate(self.vllm_config)
         config.warn_if_ineffective(gate)
         if gate.active:
