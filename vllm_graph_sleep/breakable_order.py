@@ -20,27 +20,28 @@ import sys
 from typing import Any
 
 #: The attention ops vLLM 0.26 decorates with eager_break_during_capture.
+ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"
+MLA_MODULE = "vllm.model_executor.layers.attention.mla_attention"
 ATTENTION_OPS = {
-    "vllm.model_executor.layers.attention.attention": "unified_attention_with_output",
-    "vllm.model_executor.layers.attention.mla_attention": "unified_mla_attention_with_output",
+    ATTENTION_MODULE: "unified_attention_with_output",
+    MLA_MODULE: "unified_mla_attention_with_output",
 }
 #: What the decorator returns when it makes an op a break point.
 BREAK_POINT_WRAPPER = "eager_break_during_capture.<locals>.wrapper"
 
 
-def attention_ops_without_break_points() -> list[str]:
-    """Attention ops already imported in this process that would not break a
-    breakable graph (modules not imported yet will decide when they are)."""
-    missing = []
-    for module_name, op_name in ATTENTION_OPS.items():
-        module = sys.modules.get(module_name)
-        op = getattr(module, op_name, None)
-        if op is None:
-            continue
-        code = getattr(op, "__code__", None)
-        if code is None or code.co_qualname != BREAK_POINT_WRAPPER:
-            missing.append(f"{module_name}.{op_name}")
-    return missing
+def attention_op_without_break_point(use_mla: bool) -> str | None:
+    """The name of the attention op this model runs (MLA or not) if it is
+    already imported in this process and is not a break point of breakable
+    graphs (a module not imported yet decides when it is); else None."""
+    module_name = MLA_MODULE if use_mla else ATTENTION_MODULE
+    op = getattr(sys.modules.get(module_name), ATTENTION_OPS[module_name], None)
+    if op is None:
+        return None
+    code = getattr(op, "__code__", None)
+    if code is not None and code.co_qualname == BREAK_POINT_WRAPPER:
+        return None
+    return f"{module_name}.{ATTENTION_OPS[module_name]}"
 
 
 def check_attention_breaks(vllm_config: Any) -> None:
@@ -53,11 +54,11 @@ def check_attention_breaks(vllm_config: Any) -> None:
         return
     if not mode.has_piecewise_cudagraphs():
         return  # FULL graphs capture attention whole, on purpose
-    missing = attention_ops_without_break_points()
-    if missing:
+    unbroken = attention_op_without_break_point(vllm_config.model_config.use_mla)
+    if unbroken:
         raise RuntimeError(
             "VLLM_USE_BREAKABLE_CUDAGRAPH=1, but this process imported "
-            f"{', '.join(missing)} before it was set, so vLLM 0.26 would capture attention "
+            f"{unbroken} before it was set, so vLLM 0.26 would capture attention "
             "inside its breakable CUDA graphs and fail at the first request with an illegal "
             "memory access (stock vLLM too). Set VLLM_USE_BREAKABLE_CUDAGRAPH before anything "
             "imports vLLM's attention layers, or start workers with "

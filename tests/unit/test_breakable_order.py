@@ -11,9 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_graph_sleep.breakable_order import ATTENTION_OPS, check_attention_breaks
-
-ATTENTION, MLA = ATTENTION_OPS
+from vllm_graph_sleep.breakable_order import (
+    ATTENTION_MODULE,
+    ATTENTION_OPS,
+    MLA_MODULE,
+    check_attention_breaks,
+)
 
 
 def attention_module(monkeypatch, name: str, breakable_at_import: bool) -> None:
@@ -31,29 +34,44 @@ def attention_module(monkeypatch, name: str, breakable_at_import: bool) -> None:
     monkeypatch.setitem(sys.modules, name, module)
 
 
-def engine(mode: str):
+def engine(mode: str, use_mla: bool = False):
     from vllm.config.compilation import CUDAGraphMode
 
-    return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]))
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
+        model_config=SimpleNamespace(use_mla=use_mla),
+    )
 
 
-@pytest.mark.parametrize("name", [ATTENTION, MLA])
-def test_attention_imported_before_the_variable_stops_a_breakable_engine(monkeypatch, name):
+@pytest.mark.parametrize(("name", "use_mla"), [(ATTENTION_MODULE, False), (MLA_MODULE, True)])
+def test_attention_imported_before_the_variable_stops_a_breakable_engine(
+    monkeypatch, name, use_mla
+):
     attention_module(monkeypatch, name, breakable_at_import=False)
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
     for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
         with pytest.raises(RuntimeError, match=f"imported {name}.* before it was set"):
-            check_attention_breaks(engine(mode))
+            check_attention_breaks(engine(mode, use_mla))
+
+
+def test_only_the_attention_op_the_model_runs_counts(monkeypatch):
+    """An MLA model breaks its graphs at the MLA op: the other attention
+    module, imported too early, does not stop it (and the other way round)."""
+    attention_module(monkeypatch, ATTENTION_MODULE, breakable_at_import=False)
+    attention_module(monkeypatch, MLA_MODULE, breakable_at_import=True)
+    check_attention_breaks(engine("PIECEWISE", use_mla=True))
+    with pytest.raises(RuntimeError, match=ATTENTION_MODULE):
+        check_attention_breaks(engine("PIECEWISE", use_mla=False))
 
 
 def test_attention_imported_with_the_variable_set_passes(monkeypatch):
-    attention_module(monkeypatch, ATTENTION, breakable_at_import=True)
+    attention_module(monkeypatch, ATTENTION_MODULE, breakable_at_import=True)
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
     check_attention_breaks(engine("PIECEWISE"))
 
 
 def test_no_breakable_graphs_no_check(monkeypatch):
-    attention_module(monkeypatch, ATTENTION, breakable_at_import=False)
+    attention_module(monkeypatch, ATTENTION_MODULE, breakable_at_import=False)
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
     check_attention_breaks(engine("PIECEWISE"))
     monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
