@@ -44,16 +44,22 @@ def attention_op_without_break_point(use_mla: bool) -> str | None:
     return f"{module_name}.{ATTENTION_OPS[module_name]}"
 
 
+def captures_breakable_graphs(cudagraph_mode: Any) -> bool:
+    """Whether an engine in this (resolved) graph mode captures breakable
+    graphs: VLLM_USE_BREAKABLE_CUDAGRAPH and piecewise graphs. FULL graphs
+    capture attention whole, on purpose."""
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    if not is_breakable_cudagraph_enabled() or cudagraph_mode is None:
+        return False
+    return cudagraph_mode.has_piecewise_cudagraphs()
+
+
 def check_attention_breaks(vllm_config: Any) -> None:
     """Raises RuntimeError if this engine will capture breakable graphs with an
     attention op that was imported before VLLM_USE_BREAKABLE_CUDAGRAPH was set."""
-    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
-
-    mode = vllm_config.compilation_config.cudagraph_mode
-    if not is_breakable_cudagraph_enabled() or mode is None:
+    if not captures_breakable_graphs(vllm_config.compilation_config.cudagraph_mode):
         return
-    if not mode.has_piecewise_cudagraphs():
-        return  # FULL graphs capture attention whole, on purpose
     unbroken = attention_op_without_break_point(vllm_config.model_config.use_mla)
     if unbroken:
         raise RuntimeError(

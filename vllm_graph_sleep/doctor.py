@@ -42,6 +42,7 @@ from vllm_graph_sleep.allocator import (
     RUNTIME_TAG,
     WEIGHTS_TAG,
 )
+from vllm_graph_sleep.breakable_order import captures_breakable_graphs
 
 PLATFORM_CHOICES = ("detected", "cuda", "rocm")
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -336,10 +337,7 @@ def graphs_state(engine_args: Any, resolved: Any) -> tuple[bool, str, str]:
 def breakable_order_warning(resolved: Any) -> str | None:
     """Breakable graphs need VLLM_USE_BREAKABLE_CUDAGRAPH set before vLLM's
     attention layers are imported (vllm_graph_sleep.breakable_order)."""
-    mode = resolved.compilation_config.cudagraph_mode
-    if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") != "1" or mode is None:
-        return None
-    if not mode.has_piecewise_cudagraphs():
+    if not captures_breakable_graphs(resolved.compilation_config.cudagraph_mode):
         return None
     return (
         "VLLM_USE_BREAKABLE_CUDAGRAPH=1 must be set before the process that starts the engine "

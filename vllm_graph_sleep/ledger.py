@@ -1,5 +1,5 @@
 """The ledger of one GPU while its engine sleeps, measured in the worker:
-`ledger(device)` (the probe's memory report carries it as report["ledger"]).
+`ledger(device, segments)` (the probe's memory report carries it as report["ledger"]).
 Each field's meaning and how it is obtained: vllm_graph_sleep.ledger_fields.
 """
 
@@ -92,15 +92,11 @@ def _vllm_cumem_mapped() -> int:
     return sum(d.handle[1] for d in data if not d.is_asleep)
 
 
-def _torch_outside_pools() -> int:
+def _torch_outside_pools(segments: list[dict[str, Any]]) -> int:
     from vllm_graph_sleep.probe import sleep_allocator_addresses
 
     ours = sleep_allocator_addresses()
-    return sum(
-        segment["total_size"]
-        for segment in torch.cuda.memory_snapshot()
-        if segment["address"] not in ours
-    )
+    return sum(segment["total_size"] for segment in segments if segment["address"] not in ours)
 
 
 def _graphs() -> int:
@@ -131,8 +127,9 @@ def _stack_reservation(limit: int | None, threads: int | None) -> tuple[int | No
     return limit * threads, ""
 
 
-def ledger(device: int) -> dict[str, Any]:
-    """The ledger of `device` in this process (fields: vllm_graph_sleep.ledger_fields)."""
+def ledger(device: int, segments: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ledger of `device` in this process (fields: vllm_graph_sleep.ledger_fields);
+    `segments` is torch.cuda.memory_snapshot(), taken once by the caller."""
     unavailable: dict[str, str] = {}
     estimated: dict[str, str] = {}
 
@@ -160,7 +157,9 @@ def ledger(device: int) -> dict[str, Any]:
         },
         "our_pools_mapped": get("our_pools_mapped", _our_mapped),
         "vllm_cumem_mapped": get("vllm_cumem_mapped", _vllm_cumem_mapped),
-        "torch_reserved_outside_pools": get("torch_reserved_outside_pools", _torch_outside_pools),
+        "torch_reserved_outside_pools": get(
+            "torch_reserved_outside_pools", lambda: _torch_outside_pools(segments)
+        ),
         "instantiated_graphs": get("instantiated_graphs", _graphs),
         "cuda_modules": None,
     }

@@ -36,7 +36,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
             segments, sleep_allocator_addresses(), _pools_of_earlier_engines
         ),
         "earlier_engines_pool_bytes": pool_bytes(segments, _pools_of_earlier_engines),
-        "ledger": ledger(torch.cuda.current_device()),
+        "ledger": ledger(torch.cuda.current_device(), segments),
     }
     # The allocator that serves this engine: an earlier engine of this process
     # may have left ours behind with the flag off now.
@@ -77,6 +77,8 @@ def sleep_allocator_addresses() -> set[int]:
     return addresses
 
 
+#: Pool id of torch's ordinary (non-private) caching allocator segments.
+ORDINARY_POOL = (0, 0)
 #: Private pools that held memory when this process's current engine started
 #: its worker: an earlier in-process engine's graph pools (vLLM 0.26 keeps some
 #: of its graphs referenced after shutdown). Pool ids are never reused, so none
@@ -98,10 +100,6 @@ def remember_pools_of_earlier_engines() -> None:
     )
 
 
-#: Pool id of torch's ordinary (non-private) caching allocator segments.
-ORDINARY_POOL = (0, 0)
-
-
 def pool_bytes(segments: list[dict[str, Any]], pools: frozenset[tuple[int, int]]) -> int:
     return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) in pools)
 
@@ -116,10 +114,11 @@ def foreign_pool_bytes(
     graph pools. With graph offload, a capture site of this engine that escaped
     our graph pool shows up here; in stock vLLM, all its graphs. Pools of
     earlier engines of this process (`earlier_pools`) are left out."""
+    not_graphs = earlier_pools | {ORDINARY_POOL}
     return sum(
         segment["total_size"]
         for segment in segments
-        if tuple(segment["segment_pool_id"]) not in earlier_pools | {ORDINARY_POOL}
+        if tuple(segment["segment_pool_id"]) not in not_graphs
         and segment["address"] not in sleep_addresses
     )
 

@@ -130,7 +130,7 @@ def test_used_bytes_per_process_else_per_device(monkeypatch):
 
 
 def test_ledger_without_a_gpu_has_none_fields_and_says_why():
-    fields = ledger_module.ledger(0)
+    fields = ledger_module.ledger(0, [])
     for name in ("nvml_used", "stack_reservation", "printf_fifo", "malloc_heap", "cuda_modules"):
         assert fields[name] is None and fields["unavailable"][name]
     assert fields["unattributed"] is None
@@ -154,7 +154,7 @@ def faked_worker(monkeypatch):
     monkeypatch.setattr(device_query, "resident_threads", lambda device: THREADS)
     monkeypatch.setattr(device_query, "used_bytes", lambda device: (2048 * MiB, "nvml process"))
     monkeypatch.setattr(ledger_module, "_vllm_cumem_mapped", lambda: 0)
-    monkeypatch.setattr(ledger_module, "_torch_outside_pools", lambda: 20 * MiB)
+    monkeypatch.setattr(ledger_module, "_torch_outside_pools", lambda segments: 20 * MiB)
     monkeypatch.setattr(ledger_module, "_graphs", lambda: 67)
     monkeypatch.setattr(ledger_module, "_tp_size", lambda: 2)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -165,11 +165,11 @@ def faked_worker(monkeypatch):
 
 
 def test_ledger_across_a_sleep_of_our_allocator(faked_worker):
-    awake = ledger_module.ledger(0)
+    awake = ledger_module.ledger(0, [])
     assert awake["our_pools_mapped"] == 352 * MiB
     assert awake["stack_reservation"] == DEFAULT_STACK * THREADS  # 264 MiB
     faked_worker.sleep(offload_tags=("weights",))
-    asleep = ledger_module.ledger(0)
+    asleep = ledger_module.ledger(0, [])
     assert asleep["our_pools_mapped"] == 0
     assert asleep["stack_limit_per_thread"] == 0 and asleep["stack_reservation"] == 0
     assert asleep["instantiated_graphs"] == 67
@@ -181,11 +181,11 @@ def test_ledger_across_a_sleep_of_our_allocator(faked_worker):
 
 
 def test_a_field_that_raises_is_none_with_its_reason(faked_worker, monkeypatch):
-    def broken():
+    def broken(segments):
         raise RuntimeError("snapshot failed")
 
     monkeypatch.setattr(ledger_module, "_torch_outside_pools", broken)
-    fields = ledger_module.ledger(0)
+    fields = ledger_module.ledger(0, [])
     assert fields["torch_reserved_outside_pools"] is None
     assert fields["unavailable"]["torch_reserved_outside_pools"] == "RuntimeError: snapshot failed"
     assert fields["unattributed"] == fields["nvml_used"] - fields["attributed"]

@@ -503,6 +503,31 @@ def test_a_failed_my_malloc_logs_the_drivers_reason_once_per_call(capfd):
     assert all(re.search(r"on device 0 failed: (cu|hip)Mem\w+ failed: \S", line) for line in logged)
 
 
+def assert_a_sleeping_range_is_held(alloc: GraphSleepAllocator, reserve) -> None:
+    """Sleeps one weights allocation: while asleep, another reservation asking
+    for its range or part of it (`reserve(address, size)` returns the
+    address it got) and allocations of ours and torch's land elsewhere; wake
+    maps the same address with its contents."""
+    with alloc.use_memory_pool("weights"):
+        weights = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8, device="cuda")
+    expected, pointer = weights.clone(), weights.data_ptr()
+    held = allocation_of(alloc, weights)
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.mapped_bytes() == 0
+
+    assert reserve(held.address, held.size) != held.address
+    assert reserve(held.address + 2 * MIB, 2 * MIB) != held.address + 2 * MIB
+    with alloc.use_memory_pool("kv_cache"):
+        ours = torch.empty(held.size, dtype=torch.uint8, device="cuda")
+    theirs = torch.empty(held.size, dtype=torch.uint8, device="cuda")
+    assert not overlaps(ours, held.address, held.size)
+    assert not overlaps(theirs, held.address, held.size)
+
+    alloc.wake_up()
+    assert weights.data_ptr() == pointer
+    assert torch.equal(weights, expected)
+
+
 @cuda_path_only  # asks the CUDA driver directly; the ROCm path's twin is below
 @fresh_process
 def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back(capfd):
@@ -516,24 +541,7 @@ def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back(capfd):
     library.my_free(free_range, 8 * MIB, 0, None)
     assert reserve_elsewhere(free_range, 8 * MIB) == free_range
 
-    with alloc.use_memory_pool("weights"):
-        weights = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8, device="cuda")
-    expected, pointer = weights.clone(), weights.data_ptr()
-    held = allocation_of(alloc, weights)
-    alloc.sleep(offload_tags=("weights",))
-    assert alloc.mapped_bytes() == 0
-
-    assert reserve_elsewhere(held.address, held.size) != held.address
-    assert reserve_elsewhere(held.address + 2 * MIB, 2 * MIB) != held.address + 2 * MIB
-    with alloc.use_memory_pool("kv_cache"):
-        ours = torch.empty(held.size, dtype=torch.uint8, device="cuda")
-    theirs = torch.empty(held.size, dtype=torch.uint8, device="cuda")
-    assert not overlaps(ours, held.address, held.size)
-    assert not overlaps(theirs, held.address, held.size)
-
-    alloc.wake_up()
-    assert weights.data_ptr() == pointer
-    assert torch.equal(weights, expected)
+    assert_a_sleeping_range_is_held(alloc, reserve_elsewhere)
 
     asleep = library.my_malloc(8 * MIB, 0, None)
     alloc.sleep(offload_tags=())
@@ -561,22 +569,7 @@ def test_on_the_rocm_path_the_placeholder_keeps_the_range_from_other_reservation
     library.my_free(free_range, 8 * MIB, 0, None)
     assert library.hip_shim_reserve_elsewhere(free_range, 8 * MIB) == free_range
 
-    with alloc.use_memory_pool("weights"):
-        weights = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8, device="cuda")
-    expected, pointer = weights.clone(), weights.data_ptr()
-    held = allocation_of(alloc, weights)
-    alloc.sleep(offload_tags=("weights",))
-    assert alloc.mapped_bytes() == 0
-    assert library.hip_shim_reserve_elsewhere(held.address, held.size) != held.address
-    with alloc.use_memory_pool("kv_cache"):
-        ours = torch.empty(held.size, dtype=torch.uint8, device="cuda")
-    theirs = torch.empty(held.size, dtype=torch.uint8, device="cuda")
-    assert not overlaps(ours, held.address, held.size)
-    assert not overlaps(theirs, held.address, held.size)
-
-    alloc.wake_up()
-    assert weights.data_ptr() == pointer
-    assert torch.equal(weights, expected)
+    assert_a_sleeping_range_is_held(alloc, library.hip_shim_reserve_elsewhere)
 
 
 @rocm_on_cuda_only
