@@ -57,6 +57,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -126,6 +133,15 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds a server may take to answer /health (default %(default)s)",
     )
     parser.add_argument(
+        "--warm-starts",
+        type=_non_negative_int,
+        default=BenchSettings.warm_starts,
+        metavar="N",
+        help="start each configuration's server N times to /health and stop it before the "
+        "measured start, so engine start is measured with warm compile caches; 0 measures "
+        "the first start (default %(default)s)",
+    )
+    parser.add_argument(
         "--serve-args",
         default="",
         metavar="ARGS",
@@ -185,6 +201,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         max_tokens=args.max_tokens,
         decode_tokens=args.decode_tokens,
         start_timeout=args.start_timeout,
+        warm_starts=args.warm_starts,
         serve_args=tuple(shlex.split(args.serve_args)),
         out=args.out,
     )

@@ -287,6 +287,13 @@ def main() -> int:
         print("(EngineCore pid=1) ERROR [core.py:1330] EngineCore failed to start.", flush=True)
         print("(EngineCore pid=1) ERROR [core.py:1330] RuntimeError: Worker failed", flush=True)
         time.sleep(600)
+    # The line vLLM 0.26's engine core logs once it is initialized (v1/engine/core.py).
+    compile_s = "" if args.config == "stock_eager" else " (compilation: 1.25 s)"
+    print(
+        "(EngineCore pid=1) INFO 12-01 11:04:48 [core.py:340] init engine (profile, "
+        f"create kv cache, warmup model) took 6.50 s{compile_s}",
+        flush=True,
+    )
     Handler.ready_at = time.monotonic() + float(os.environ.get("FAKE_START_DELAY", "0.3"))
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     try:

@@ -53,6 +53,7 @@ def test_bench_defaults():
     assert s.wakes == ("full", "staged")
     assert s.configs == ("ours", "stock_graphs", "stock_eager")
     assert s.out is None and s.serve_args == ()
+    assert s.warm_starts == 1  # engine start is measured with warm compile caches
 
 
 def test_bench_lists_take_commas_and_spaces_keep_order_and_drop_repeats(tmp_path):
@@ -98,6 +99,7 @@ def test_bench_lists_take_commas_and_spaces_keep_order_and_drop_repeats(tmp_path
         (["--wakes", "lazy"], "'lazy' is not one of full, staged"),
         (["--tp", "0"], "must be at least 1"),
         (["--cycles", "0"], "must be at least 1"),
+        (["--warm-starts", "-1"], "must be 0 or more"),
         (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--model-kind", "gpt"], "invalid choice"),
     ],
@@ -400,6 +402,16 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
         assert record["awake_report"][0]["tags"]["weights"]["mapped"] == 200 * MiB
         assert record["samples"]["t"] and record["events"][0]["kind"] == "ready"
         assert (out / f"{record['config']}.server.log").read_text().startswith("$ ")
+        # One warm-up start per configuration, with its own log, before the measured one.
+        assert len(record["cold_start_s"]) == 1 and record["cold_start_s"][0] > 0
+        warm_log = out / f"{record['config']}.warm-start-1.server.log"
+        assert warm_log.read_text().startswith("$ ")
+        assert record["events"][0]["kind"] == "ready"
+        # vLLM's own figure for its engine core, read from the server log.
+        compile_s = 0.0 if record["config"] == "stock_eager" else 1.25
+        assert record["engine_init"] == {"engine_init_s": 6.5, "compile_s": compile_s}
+    assert "engine start, first of the run (s)" in captured.out
+    assert "engine core init, vLLM's log (s)" in captured.out
     summary = results["summary"]
     assert summary["ours"]["asleep_mib"]["1"] == [400]  # graphs offloaded
     assert summary["stock_graphs"]["asleep_mib"]["1"] == [900]  # graphs stay
@@ -410,6 +422,26 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     assert stacks == [0, 264 * MiB, 264 * MiB]
     assert (out / "memory.png").stat().st_size > 20_000
     assert (out / "table.txt").read_text() in captured.out
+
+
+def test_engine_init_is_read_from_vllms_log_the_slowest_core_counts(tmp_path):
+    from vllm_graph_sleep.bench.server import Server
+
+    log = tmp_path / "server.log"
+    server = Server("x", ["true"], {}, log)
+    assert server.engine_init() is None  # no log yet
+    line = "init engine (profile, create kv cache, warmup model) took {} s{}\n"
+    log.write_text(line.format("13.61", " (compilation: 2.13 s)") + line.format("6.29", ""))
+    assert server.engine_init() == {"engine_init_s": 13.61, "compile_s": 2.13}
+
+
+def test_bench_without_warm_starts_measures_the_first_start(fake_bench, capsys):
+    argv, out = fake_bench
+    assert cli.main([*argv, "--configs", "ours", "--warm-starts", "0"]) == 0
+    assert "engine start, first of the run" not in capsys.readouterr().out
+    (record,) = json.loads((out / "results.json").read_text())["configs"]
+    assert record["cold_start_s"] == []
+    assert not list(out.glob("*.warm-start-*"))
 
 
 def _one_line_failure(capsys) -> str:
@@ -429,7 +461,7 @@ def test_bench_server_that_does_not_start(fake_bench, monkeypatch, capsys):
     )
     assert cli.main(argv) == cli.EXIT_FAILED
     line = _one_line_failure(capsys)
-    log = out / "ours.server.log"
+    log = out / "ours.warm-start-1.server.log"  # the first start is the one that failed
     assert "[ours] vllm serve exited with code 3 before it was healthy" in line
     assert line.endswith(f"server log: {log}")
     assert "no such model" in log.read_text()
@@ -466,7 +498,7 @@ def test_bench_engine_that_fails_to_start_is_reported_without_waiting(
     assert time.monotonic() - started < 60
     line = _one_line_failure(capsys)
     assert "[ours] vllm serve's engine failed to start: RuntimeError: Worker failed" in line
-    assert line.endswith(f"server log: {out / 'ours.server.log'}")
+    assert line.endswith(f"server log: {out / 'ours.warm-start-1.server.log'}")
     record = json.loads((out / "results.json").read_text())["configs"][0]
     assert record["server_exit_code"] is not None  # stopped, not left hanging
 

@@ -108,6 +108,9 @@ class Scenario:
         record["baseline_used_bytes"] = baseline = settle(self.memory)
         self.origin = time.monotonic()
         sampler = MemorySampler(self.memory, self.origin, self.settings.sample_interval)
+        record["cold_start_s"] = [
+            self._warm_start(number, baseline) for number in range(1, self.settings.warm_starts + 1)
+        ]
         try:
             with sampler:
                 self._say(f"starting vllm serve ({self.server.where()})")
@@ -119,6 +122,7 @@ class Scenario:
                 self._event("ready")
                 record["ready_t"] = self.events[-1]["t"]
                 self._say(f"healthy after {record['start_s']:.1f} s")
+                record["engine_init"] = self.server.engine_init()
                 self._measure()
         finally:
             code = self.server.stop()
@@ -129,6 +133,25 @@ class Scenario:
                 self.memory, baseline, slack=256 * MiB, timeout=30
             )
         return record
+
+    def _warm_start(self, number: int, baseline: list[int]) -> float:
+        """Starts the same server to /health and stops it (it fills the compile
+        caches the measured start then finds warm); returns its start time."""
+        model = self.server
+        log = model.log_path.with_name(f"{self.name}.warm-start-{number}.server.log")
+        server = Server(self.name, model.command, model.env, log)
+        self._say(f"warm-up start {number} of {self.settings.warm_starts} (server log: {log})")
+        try:
+            server.start(self.client.base_url)
+            seconds = server.wait_healthy(
+                self.settings.start_timeout,
+                lambda s: self._say(f"warm-up start: waiting for /health ... {s:.0f} s"),
+            )
+        finally:
+            self.record["server_exit_code"] = server.stop()
+            wait_released(self.memory, baseline, slack=256 * MiB, timeout=30)
+        self._say(f"warm-up start healthy after {seconds:.1f} s")
+        return seconds
 
     def _measure(self) -> None:
         client, settings, record = self.client, self.settings, self.record

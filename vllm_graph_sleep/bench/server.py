@@ -114,6 +114,13 @@ def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 #: (vllm/v1/engine/core.py); the root cause follows as "<Name>Error: ..." lines.
 ENGINE_START_FAILED = "EngineCore failed to start."
 ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): .*$")
+#: What vLLM 0.26's engine core logs once initialized (vllm/v1/engine/core.py):
+#: profile, KV cache, compilation, capture and kernel warm-up, without the
+#: processes' imports and the API server around them.
+ENGINE_INIT_LINE = re.compile(
+    r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"
+    r"(?: \(compilation: ([\d.]+) s\))?"
+)
 
 
 class Server:
@@ -158,6 +165,23 @@ class Server:
             if error is not None:
                 return error.group(0).strip()
         return ENGINE_START_FAILED
+
+    def engine_init(self) -> dict[str, float] | None:
+        """vLLM's own figures for its engine core's initialization, from the log:
+        {"engine_init_s", "compile_s"} (the slowest engine core where there are
+        several; compile_s 0 without torch.compile); None when not logged."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        found = [
+            (float(init), float(compile_s or 0))
+            for init, compile_s in ENGINE_INIT_LINE.findall(text)
+        ]
+        if not found:
+            return None
+        init_s, compile_s = max(found)
+        return {"engine_init_s": init_s, "compile_s": compile_s}
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
