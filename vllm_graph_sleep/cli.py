@@ -72,7 +72,7 @@ def _fraction(text: str) -> float:
 
 
 def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from vllm_graph_sleep.models import KINDS
+    from vllm_graph_sleep.models import ALL_KINDS
 
     parser.add_argument(
         "--model",
@@ -80,7 +80,7 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a local model directory (default: make a random-weight --model-kind model once, "
         "in --cache-dir, and reuse it)",
     )
-    parser.add_argument("--model-kind", choices=KINDS, default="llama")
+    parser.add_argument("--model-kind", choices=ALL_KINDS, default="llama")
     parser.add_argument("--cache-dir", type=Path, default=BenchSettings.cache_dir)
     parser.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel size")
     parser.add_argument(

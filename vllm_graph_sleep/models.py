@@ -45,6 +45,12 @@ from typing import Any
 FORMAT_VERSION = 1
 MARKER_NAME = ".vllm_graph_sleep_model.json"
 KINDS = ("llama", "deepseek_v2", "qwen3_moe", "qwen2_5_vl")
+#: Kinds of real size, for benchmarks where the weight copy dominates (issue 15's 8B-class
+#: Llama): Llama-3-8B's shapes with our small vocabulary (7.0 B parameters, 14 GB in bf16).
+#: Their weights are drawn on the GPU when one is visible (on CPU the draw takes minutes);
+#: the tests build only KINDS.
+LARGE_KINDS = ("llama_8b",)
+ALL_KINDS = KINDS + LARGE_KINDS
 #: Kinds with a vision encoder (and an image processor beside the tokenizer).
 VISION_KINDS = frozenset({"qwen2_5_vl"})
 
@@ -270,6 +276,17 @@ def _config(kind: str, vocab_size: int) -> Any:
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             **common,
         )
+    elif kind == "llama_8b":
+        cfg = LlamaConfig(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            **common,
+        )
     elif kind == "deepseek_v2":
         # MLA with DeepSeek-V2-Lite's attention shapes (kv_lora_rank 512, qk_nope 128,
         # qk_rope 64, v 128, no q LoRA, 16 heads): on the H200 vLLM 0.26.0 finds no MLA
@@ -362,7 +379,7 @@ def _config(kind: str, vocab_size: int) -> Any:
             tie_word_embeddings=False,
         )
     else:
-        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(ALL_KINDS)}")
     cfg.dtype = torch.bfloat16
     return cfg
 
@@ -411,7 +428,9 @@ def _train_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Any:
 
 
 def _init_weights(model: Any, seed: int) -> None:
-    """Deterministic init: norms 1, other vectors 0, matrices N(0, INIT_STD)."""
+    """Deterministic init: norms 1, other vectors 0, matrices N(0, INIT_STD), drawn
+    on the device the model is on (the same device, seed and torch give the same
+    weights)."""
     import torch
 
     # Norms are found by their module's class, not by parameter name: Qwen2.5-VL's merger
@@ -422,7 +441,7 @@ def _init_weights(model: Any, seed: int) -> None:
         if "norm" in type(module).__name__.lower()
         for name, _ in module.named_parameters(recurse=False)
     }
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if param.ndim == 1:
@@ -453,6 +472,12 @@ def _save_processor(tokenizer: Any, out: Path) -> None:
     ).save_pretrained(out)
 
 
+def _weights_device(kind: str) -> str:
+    import torch
+
+    return "cuda" if kind in LARGE_KINDS and torch.cuda.is_available() else "cpu"
+
+
 def _write_weights(kind: str, vocab_size: int, seed: int, out: Path) -> int:
     """Write config.json, generation_config.json and model.safetensors; return #params."""
     import torch
@@ -462,7 +487,7 @@ def _write_weights(kind: str, vocab_size: int, seed: int, out: Path) -> int:
     auto_class = AutoModelForImageTextToText if kind in VISION_KINDS else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto_class.from_config(config, dtype=torch.bfloat16)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model = model.to_empty(device=_weights_device(kind)).to(torch.bfloat16)
     _init_weights(model, seed)
     # lm_head must be its own tensor (tie_word_embeddings=False), not a shared one.
     assert model.get_output_embeddings().weight.data_ptr() != (
@@ -576,15 +601,17 @@ def make_model(kind: str, out_dir: str | Path, *, seed: int = 0, force: bool = F
 
     ``kind`` is one of ``KINDS``: ``"llama"`` (LlamaForCausalLM, dense), ``"deepseek_v2"``
     (DeepseekV2ForCausalLM, MLA + MoE), ``"qwen3_moe"`` (Qwen3MoeForCausalLM) or
-    ``"qwen2_5_vl"`` (Qwen2_5_VLForConditionalGeneration, vision-language). The same
-    kind and seed give byte-identical weights (with the same torch version). Returns the
+    ``"qwen2_5_vl"`` (Qwen2_5_VLForConditionalGeneration, vision-language); or of
+    ``LARGE_KINDS``: ``"llama_8b"`` (Llama-3-8B's shapes). The same kind and seed give
+    byte-identical weights (with the same torch version, and for large kinds the same
+    device: GPU when one is visible). Returns the
     absolute path of the model directory. If ``out_dir`` already holds a complete model of
     this kind, seed and format version it is returned untouched unless ``force``. An existing
     incomplete or different model there is replaced; a directory holding any file this
     function would not write raises FileExistsError instead.
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; expected one of {', '.join(ALL_KINDS)}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     out = Path(out_dir).expanduser().resolve()
@@ -623,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m vllm_graph_sleep.models",
         description="Build a small random-weight model directory that vLLM can load.",
     )
-    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("kind", choices=ALL_KINDS)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")

@@ -56,6 +56,10 @@ def test_bench_defaults():
     assert s.warm_starts == 1  # engine start is measured with warm compile caches
 
 
+def test_bench_takes_the_8b_class_model_kind():
+    assert bench_settings(["--model-kind", "llama_8b"]).model_kind == "llama_8b"
+
+
 def test_bench_lists_take_commas_and_spaces_keep_order_and_drop_repeats(tmp_path):
     s = bench_settings(
         [

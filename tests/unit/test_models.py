@@ -501,3 +501,26 @@ def _vllm_load_check(paths: list[str]) -> None:
 
 if __name__ == "__main__":
     _vllm_load_check(sys.argv[1:])
+
+
+def test_the_large_kind_has_llama_3_8bs_shapes_and_draws_its_weights_on_the_gpu(monkeypatch):
+    # Not built here (14 GB): its config, counted on the meta device, and where it is drawn.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = models._config("llama_8b", vocab_size=4096)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    params = sum(p.numel() for p in model.parameters())
+    assert 6.9e9 < params < 7.1e9, params  # Llama-3-8B less its 128k-token embeddings
+    assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (
+        32,
+        4096,
+        8,
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert models._weights_device("llama_8b") == "cuda"
+    assert models._weights_device("llama") == "cpu"  # small kinds: the same bytes everywhere
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert models._weights_device("llama_8b") == "cpu"
