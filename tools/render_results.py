@@ -605,7 +605,13 @@ def is_bench_run(data: Any) -> bool:
 def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
     # The same rows, labels and ratios as `vllm-graph-sleep bench` prints.
     from vllm_graph_sleep.bench.ledger_table import NOTE as LEDGER_NOTE
-    from vllm_graph_sleep.bench.report import CONFIG_LABELS, RATIO_NOTE, ledger_rows, table_rows
+    from vllm_graph_sleep.bench.report import (
+        CONFIG_LABELS,
+        RATIO_NOTE,
+        floor_line,
+        ledger_rows,
+        table_rows,
+    )
 
     title = f"`vllm-graph-sleep bench`: stock vs graph offload over HTTP ({name})"
     settings = data.get("settings") or {}
@@ -632,6 +638,9 @@ def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
         "",
     ]
     lines += table(["", *[code(c) for c in names]], rows)
+    floor = floor_line(data)
+    if floor:
+        lines += ["", f"The run's {floor}."]
     _, ledger_lines = ledger_rows(data)
     if ledger_lines:
         lines += ["", LEDGER_NOTE, "", *table(["", *[code(c) for c in names]], ledger_lines)]

@@ -142,6 +142,13 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "the first start (default %(default)s)",
     )
     parser.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=BenchSettings.floor,
+        help="before the servers, measure the floor: NVML memory held by a bare CUDA context "
+        "with a cuBLAS handle and its stack reservation released (default: on)",
+    )
+    parser.add_argument(
         "--serve-args",
         default="",
         metavar="ARGS",
@@ -202,6 +209,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         decode_tokens=args.decode_tokens,
         start_timeout=args.start_timeout,
         warm_starts=args.warm_starts,
+        floor=args.floor,
         serve_args=tuple(shlex.split(args.serve_args)),
         out=args.out,
     )

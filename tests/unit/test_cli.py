@@ -26,7 +26,7 @@ import torch
 from tests.unit import fake_aiter
 from tests.unit.fake_vllm_server import IDLE
 from vllm_graph_sleep import cli, config, doctor
-from vllm_graph_sleep.bench import gpu, report, runner
+from vllm_graph_sleep.bench import floor, gpu, report, runner
 from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, serve_command, server_env
 from vllm_graph_sleep.bench.settings import BenchSettings
@@ -54,6 +54,7 @@ def test_bench_defaults():
     assert s.configs == ("ours", "stock_graphs", "stock_eager")
     assert s.out is None and s.serve_args == ()
     assert s.warm_starts == 1  # engine start is measured with warm compile caches
+    assert s.floor is True
 
 
 def test_bench_takes_the_8b_class_model_kind():
@@ -359,6 +360,21 @@ class FakeMemory:
             return [IDLE]
 
 
+FLOOR_MIB = 300
+
+
+def fake_floor_child(used: Path, code: str = "") -> list[str]:
+    """Stands in for the floor's child: holds FLOOR_MIB in the fake NVML until its
+    standard input closes (or runs `code` instead, to fail)."""
+    hold = (
+        f"import pathlib, sys; p = pathlib.Path({str(used)!r}); "
+        f"p.write_text(str({IDLE} + {FLOOR_MIB * MiB})); print('warming up'); "
+        f"print({floor.STACK!r} + ' 1024 0'); "
+        f"print({floor.HOLDING!r}, flush=True); sys.stdin.readline(); p.unlink()"
+    )
+    return [sys.executable, "-c", code or hold]
+
+
 @pytest.fixture
 def fake_bench(tmp_path, monkeypatch):
     """Routes `vllm-graph-sleep bench` to the fake server and the fake NVML."""
@@ -375,6 +391,7 @@ def fake_bench(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "real_command", fake_command)
     monkeypatch.setattr(gpu, "NvmlMemory", lambda count: FakeMemory(used))
+    monkeypatch.setattr(floor, "floor_command", lambda gpus: fake_floor_child(used))
     out = tmp_path / "out"
     argv = ["bench", "--model", str(model), "--out", str(out), "--cycles", "1"]
     argv += ["--decode-tokens", "8", "--max-tokens", "4"]
@@ -416,6 +433,12 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
         assert record["engine_init"] == {"engine_init_s": 6.5, "compile_s": compile_s}
     assert "engine start, first of the run (s)" in captured.out
     assert "engine core init, vLLM's log (s)" in captured.out
+    # The floor, measured once before the first server, and let go before it started.
+    assert results["floor"]["used_bytes"] == [IDLE + FLOOR_MIB * MiB]
+    assert results["floor"]["baseline_used_bytes"] == [IDLE]
+    assert results["floor"]["stack_limit_before_after"] == [[1024, 0]]
+    assert by_name["ours"]["baseline_used_bytes"] == [IDLE]
+    assert f"{floor.WHAT}): {FLOOR_MIB} MiB over the idle GPU" in captured.out
     summary = results["summary"]
     assert summary["ours"]["asleep_mib"]["1"] == [400]  # graphs offloaded
     assert summary["stock_graphs"]["asleep_mib"]["1"] == [900]  # graphs stay
@@ -437,6 +460,27 @@ def test_engine_init_is_read_from_vllms_log_the_slowest_core_counts(tmp_path):
     line = "init engine (profile, create kv cache, warmup model) took {} s{}\n"
     log.write_text(line.format("13.61", " (compilation: 2.13 s)") + line.format("6.29", ""))
     assert server.engine_init() == {"engine_init_s": 13.61, "compile_s": 2.13}
+
+
+def test_a_floor_that_cannot_be_measured_is_said_and_the_bench_goes_on(
+    fake_bench, monkeypatch, capsys
+):
+    argv, out = fake_bench
+    failing = fake_floor_child(
+        Path("unused"), "print('CUDA error: no device'); raise SystemExit(4)"
+    )
+    monkeypatch.setattr(floor, "floor_command", lambda gpus: failing)
+    assert cli.main([*argv, "--configs", "ours", "--levels", "1"]) == 0
+    line = "not measured: the floor's child process exited with code 4: CUDA error: no device"
+    assert line in capsys.readouterr().out
+    assert "error" in json.loads((out / "results.json").read_text())["floor"]
+
+
+def test_bench_without_the_floor(fake_bench, capsys):
+    argv, out = fake_bench
+    assert cli.main([*argv, "--configs", "ours", "--levels", "1", "--no-floor"]) == 0
+    assert "floor (" not in capsys.readouterr().out
+    assert "floor" not in json.loads((out / "results.json").read_text())
 
 
 def test_bench_without_warm_starts_measures_the_first_start(fake_bench, capsys):

@@ -123,3 +123,17 @@ def test_other_benchmarks_and_unknown_files(tmp_path):
     assert render_results.main(["--results", str(tmp_path), "--check"]) == 0
     (tmp_path / "index.md").write_text("stale\n")
     assert render_results.main(["--results", str(tmp_path), "--check"]) == 1
+
+
+def test_a_bench_runs_floor_is_rendered_with_its_table(tmp_path):
+    run = _load("bench-h200.json")
+    run["floor"] = {
+        "what": "a bare CUDA context with a cuBLAS handle, stack reservation released",
+        "baseline_used_bytes": [615 * 2**20],
+        "used_bytes": [1115 * 2**20],
+    }
+    (tmp_path / "bench-floor.json").write_text(json.dumps(run))
+    assert render_results.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0
+    index = (tmp_path / "index.md").read_text()
+    assert "The run's floor (a bare CUDA context with a cuBLAS handle, stack" in index
+    assert "released): 500 MiB over the idle GPU." in index

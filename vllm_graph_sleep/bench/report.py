@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_graph_sleep.bench import ledger_table
+from vllm_graph_sleep.bench import floor, ledger_table
 from vllm_graph_sleep.bench.server import CONFIG_LABELS
 
 SCHEMA = "vllm-graph-sleep-bench/1"
@@ -223,6 +223,18 @@ def _aligned(header: list[str], lines: list[list[str]]) -> list[str]:
     return [render(header), "  ".join("-" * w for w in widths), *map(render, lines)]
 
 
+def floor_line(results: dict[str, Any]) -> str | None:
+    """The run's floor (bench/floor.py) in one line; None when it was not measured."""
+    measured = results.get("floor")
+    if not measured:
+        return None
+    mib = floor.over_idle_mib(measured)
+    if mib is None:
+        return f"floor ({measured.get('what')}): not measured: {measured.get('error')}"
+    values = ", ".join(f"{value:.0f}" for value in mib)
+    return f"floor ({measured.get('what')}): {values} MiB over the idle GPU"
+
+
 def format_table(results: dict[str, Any]) -> str:
     """One table, configurations side by side, each figure with its ratio to stock;
     then the ledger while asleep, side by side the same way."""
@@ -233,6 +245,9 @@ def format_table(results: dict[str, Any]) -> str:
     out += [f"error ({n}): {s['error']}" for n, s in summaries.items() if s.get("error")]
     if baseline:
         out.append(f"ratios: against {CONFIG_LABELS.get(baseline, baseline)}. {RATIO_NOTE}")
+    line = floor_line(results)
+    if line:
+        out.append(line)
     _, ledger_lines = ledger_rows(results)
     if ledger_lines:
         out += ["", *_aligned(header, ledger_lines), ledger_table.NOTE]

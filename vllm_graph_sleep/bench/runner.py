@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_graph_sleep.bench import floor
 from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.gpu import MemorySource
-from vllm_graph_sleep.bench.report import SCHEMA, format_table, write_json
+from vllm_graph_sleep.bench.report import SCHEMA, floor_line, format_table, write_json
 from vllm_graph_sleep.bench.scenario import Scenario
 from vllm_graph_sleep.bench.server import Server, ServerError, free_port, serve_command, server_env
 from vllm_graph_sleep.bench.settings import BenchSettings
@@ -129,6 +130,10 @@ def run(
         "host": host_info(memory),
         "configs": [],
     }
+    if settings.floor:
+        progress(f"measuring the floor: {floor.WHAT}")
+        results["floor"] = floor.measure(memory, server_env(env))
+        progress(floor_line(results) or "")
     for name in settings.configs:
         port = free_port()
         server = Server(

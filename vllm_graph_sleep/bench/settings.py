@@ -40,6 +40,8 @@ class BenchSettings:
     # measured engine start finds torch.compile's and Triton's caches warm. Each
     # configuration needs its own: the plugin's flag is part of vLLM's config hash.
     warm_starts: int = 1
+    # Measure the floor (bench/floor.py) before the first server starts.
+    floor: bool = True
     request_timeout: float = 300.0
     sample_interval: float = 0.1
     serve_args: tuple[str, ...] = ()
