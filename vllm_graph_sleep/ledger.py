@@ -92,11 +92,31 @@ def _vllm_cumem_mapped() -> int:
     return sum(d.handle[1] for d in data if not d.is_asleep)
 
 
-def _torch_outside_pools(segments: list[dict[str, Any]]) -> int:
+def _segments_outside_pools(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from vllm_graph_sleep.probe import sleep_allocator_addresses
 
     ours = sleep_allocator_addresses()
-    return sum(segment["total_size"] for segment in segments if segment["address"] not in ours)
+    return [segment for segment in segments if segment["address"] not in ours]
+
+
+def _torch_outside_pools(segments: list[dict[str, Any]]) -> int:
+    return sum(segment["total_size"] for segment in _segments_outside_pools(segments))
+
+
+def torch_outside_pools_by_stream(segments: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Where torch's memory outside the sleep pools sits: per stream its segments
+    were made for ("0x0": the default stream), bytes reserved and in use, and how
+    many segments. A workspace cuBLAS took on the graph-capture stream, say, sits
+    on that stream and not on the default one."""
+    streams: dict[str, dict[str, int]] = {}
+    for segment in _segments_outside_pools(segments):
+        entry = streams.setdefault(
+            hex(segment.get("stream", 0)), {"reserved": 0, "allocated": 0, "segments": 0}
+        )
+        entry["reserved"] += segment["total_size"]
+        entry["allocated"] += segment.get("allocated_size", 0)
+        entry["segments"] += 1
+    return dict(sorted(streams.items(), key=lambda item: -item[1]["reserved"]))
 
 
 def _graphs() -> int:
@@ -162,6 +182,9 @@ def ledger(device: int, segments: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "instantiated_graphs": get("instantiated_graphs", _graphs),
         "cuda_modules": None,
+        "torch_outside_pools_by_stream": get(
+            "torch_outside_pools_by_stream", lambda: torch_outside_pools_by_stream(segments)
+        ),
     }
     unavailable["cuda_modules"] = "no driver call counts the modules a context has loaded"
     for name, estimate in (

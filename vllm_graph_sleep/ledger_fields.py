@@ -33,6 +33,10 @@ cublas_workspaces             no      ESTIMATE: one cuBLAS workspace of torch's 
 instantiated_graphs           no      a count: graphs vLLM captured (its compilation counter);
                                       the driver's memory for them is in unattributed
 cuda_modules                  no      a count, None: no driver call counts a context's modules
+torch_outside_pools_by_stream no      torch_reserved_outside_pools split by the stream each segment
+                                      was made for ("0x0": default), with bytes in use and the
+                                      segment count; JSON only (a capture stream's cuBLAS
+                                      workspace shows up here)
 attributed                    -       the sum of the summed fields that are known
 unattributed                  -       nvml_used - attributed: the context, loaded modules, graph
                                       executables and whatever else no field names

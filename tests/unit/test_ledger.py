@@ -261,3 +261,22 @@ def test_render_results_shows_the_same_ledger_rows(recorded):
     assert ledger_table.NOTE in lines
     row = next(line for line in lines if line.startswith("| asleep L1: stack reservation (MiB) |"))
     assert [cell.strip() for cell in row.strip("|").split("|")][1:] == ["0", "264", "264"]
+
+
+def test_torch_memory_outside_the_pools_by_stream(faked_worker, monkeypatch):
+    from vllm_graph_sleep import probe
+
+    monkeypatch.setattr(probe, "sleep_allocator_addresses", lambda: {0x1000})
+    segments = [
+        {"address": 0x1000, "total_size": 64 * MiB, "allocated_size": 64 * MiB, "stream": 0},
+        {"address": 0x9000, "total_size": 20 * MiB, "allocated_size": 2 * MiB, "stream": 0},
+        {"address": 0xA000, "total_size": 2 * MiB, "allocated_size": 2 * MiB, "stream": 0},
+        {"address": 0xB000, "total_size": 34 * MiB, "allocated_size": 34 * MiB, "stream": 0x7F},
+    ]
+    fields = ledger_module.ledger(0, segments)
+    assert fields["torch_outside_pools_by_stream"] == {
+        "0x7f": {"reserved": 34 * MiB, "allocated": 34 * MiB, "segments": 1},
+        "0x0": {"reserved": 22 * MiB, "allocated": 4 * MiB, "segments": 2},
+    }
+    # Detail only: the summed field is the same memory, counted once.
+    assert "torch_outside_pools_by_stream" not in ledger_fields.SUMMED
