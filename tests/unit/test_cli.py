@@ -428,6 +428,8 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
         warm_log = out / f"{record['config']}.warm-start-1.server.log"
         assert warm_log.read_text().startswith("$ ")
         assert record["events"][0]["kind"] == "ready"
+        # Samples and events count from the measured start, not from the warm-up's.
+        assert record["ready_t"] <= record["start_s"] + 0.2
         # vLLM's own figure for its engine core, read from the server log.
         compile_s = 0.0 if record["config"] == "stock_eager" else 1.25
         assert record["engine_init"] == {"engine_init_s": 6.5, "compile_s": compile_s}

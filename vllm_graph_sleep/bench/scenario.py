@@ -106,11 +106,11 @@ class Scenario:
         record = self.record
         record["serve_command"] = self.server.command
         record["baseline_used_bytes"] = baseline = settle(self.memory)
-        self.origin = time.monotonic()
-        sampler = MemorySampler(self.memory, self.origin, self.settings.sample_interval)
         record["cold_start_s"] = [
             self._warm_start(number, baseline) for number in range(1, self.settings.warm_starts + 1)
         ]
+        self.origin = time.monotonic()  # samples and events count from the measured start
+        sampler = MemorySampler(self.memory, self.origin, self.settings.sample_interval)
         try:
             with sampler:
                 self._say(f"starting vllm serve ({self.server.where()})")
