@@ -16,6 +16,23 @@ from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.ledger import ledger
 
 
+def pinned_host() -> dict[str, float] | None:
+    """torch's pinned host allocator in this process, which both ours and stock
+    vLLM take sleep backups from: the bytes it holds (each block rounded up to a
+    power of two, as it asks the driver for them) and the seconds spent pinning
+    so far. None where torch does not keep these statistics."""
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return None
+    if "allocated_bytes.current" not in stats:  # torch without CUDA reports nothing
+        return None
+    return {
+        "bytes": stats["allocated_bytes.current"],
+        "pinning_s": stats.get("host_alloc_time.total", 0) / 1e6,
+    }
+
+
 def memory_report(worker: Any) -> dict[str, Any]:
     """What this worker holds: per-tag bytes of whichever sleep-mode allocator
     serves it, torch's own reserved memory, the driver's view, and the ledger
@@ -37,6 +54,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
         ),
         "earlier_engines_pool_bytes": pool_bytes(segments, _pools_of_earlier_engines),
         "ledger": ledger(torch.cuda.current_device(), segments),
+        "pinned_host": pinned_host(),
     }
     # The allocator that serves this engine: an earlier engine of this process
     # may have left ours behind with the flag off now.

@@ -42,6 +42,8 @@ IDLE = 500 * MiB  # what the fake NVML reports with no server (tests read the sa
 CONTEXT = 400 * MiB
 SIZES = {"weights": 200 * MiB, "kv_cache": 2000 * MiB, "cudagraph": 500 * MiB}
 STACK = 264 * MiB  # the context's stack reservation (ours gives it back while asleep)
+PINNED_AT_START = 4 * MiB  # pinned host memory vLLM takes at start-up (input staging)
+PINNING_S = 0.05  # the time torch takes to pin a sleep's host buffers
 GRAPHS = 67
 
 
@@ -56,6 +58,10 @@ class State:
         self.level = 0
         self.corrupt = os.environ.get("FAKE_CORRUPT") == "1"
         self.woken_once = False
+        # torch's pinned host allocator: blocks rounded up to powers of two, kept
+        # for reuse, and the time spent pinning them.
+        self.pinned = PINNED_AT_START
+        self.pinning_s = 0.001
         self.write()
 
     def graph_resident(self) -> bool:
@@ -83,6 +89,16 @@ class State:
         when it is offloaded (any wake restores it)."""
         need = sum(SIZES[tag] for tag in tags if not self.mapped.get(tag, True))
         return need if self.graph_resident() else need + self.graphs
+
+    def pin_backup(self, level: int) -> None:
+        """What a sleep at `level` copies to host, pinned as torch would."""
+        backup = self.graphs if self.config == "ours" else 0
+        backup += SIZES["weights"] if level == 1 else 0
+        if backup:
+            needed = PINNED_AT_START + (1 << (backup - 1).bit_length())
+            if needed > self.pinned:
+                self.pinned = needed
+                self.pinning_s += PINNING_S
 
     def write(self) -> None:
         tmp = self.used_file.with_suffix(".tmp")
@@ -119,6 +135,7 @@ class State:
             report["allocator"] = "vllm_graph_sleep"
             report["host_bytes"] = sum(t["backed_up"] for t in tags.values())
         report["ledger"] = self.ledger(tags)
+        report["pinned_host"] = {"bytes": self.pinned, "pinning_s": self.pinning_s}
         return report
 
     def ledger(self, tags: dict) -> dict:
@@ -231,6 +248,7 @@ class Handler(BaseHTTPRequestHandler):
                 os._exit(7)
             level = int(query.get("level", ["1"])[0])
             state.level = level
+            state.pin_backup(level)
             state.mapped = {"weights": False, "kv_cache": False}
             if level == 2:
                 state.weights_valid = False

@@ -445,6 +445,12 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     assert summary["ours"]["asleep_mib"]["1"] == [400]  # graphs offloaded
     assert summary["stock_graphs"]["asleep_mib"]["1"] == [900]  # graphs stay
     assert summary["ours"]["tags_awake_mib"]["cudagraph"] == [500]
+    # Pinned host memory as torch holds it (powers of two), and the first sleep's pinning.
+    assert "pinned host memory at L1 (MiB)" in captured.out
+    assert summary["ours"]["pinned_host_mib"]["1"] == [4 + 1024]  # 700 MiB backed up
+    assert summary["stock_graphs"]["pinned_host_mib"]["1"] == [4 + 256]  # 200 MiB of weights
+    for name in by_name:
+        assert summary[name]["first_sleep_pinning_ms"] == [pytest.approx(50)]
     # The probe's ledger at every sleep, side by side: ours gives the stack back.
     assert "asleep L1: stack reservation (MiB)" in captured.out
     stacks = [summary[c]["ledger_asleep"]["1"][0]["stack_reservation"] for c in by_name]

@@ -476,3 +476,21 @@ def test_probe_remembers_pools_only_where_cuda_is_already_up(monkeypatch):
     monkeypatch.setattr(probe.torch.cuda, "memory_snapshot", lambda: pytest.fail("CUDA started"))
     probe.remember_pools_of_earlier_engines()
     assert probe._pools_of_earlier_engines == frozenset()
+
+
+def test_probe_reads_torchs_pinned_host_allocator(monkeypatch):
+    import torch
+
+    from vllm_graph_sleep import probe
+
+    stats = {"allocated_bytes.current": 1028 * 2**20, "host_alloc_time.total": 50_000}
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: stats)
+    assert probe.pinned_host() == {"bytes": 1028 * 2**20, "pinning_s": 0.05}
+
+    def unavailable():
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", unavailable)
+    assert probe.pinned_host() is None
+    monkeypatch.setattr(torch.cuda, "host_memory_stats", dict)  # torch without CUDA
+    assert probe.pinned_host() is None

@@ -49,6 +49,25 @@ def _tag_mib(reports: list[dict[str, Any]] | None, key: str) -> dict[str, list[f
     return tags
 
 
+def _first_sleep_pinning_ms(record: dict[str, Any]) -> list[float] | None:
+    """Per GPU, the time torch spent pinning host memory between the awake report
+    and the first sleep's report (the first sleep's host buffers); None without
+    both reports."""
+    steps = record.get("steps") or []
+    before = record.get("awake_report")
+    after = steps[0].get("asleep_report") if steps else None
+    if not before or not after or len(before) != len(after):
+        return None
+    spans = []
+    for awake, asleep in zip(before, after, strict=True):
+        start = (awake or {}).get("pinned_host") or {}
+        end = (asleep or {}).get("pinned_host") or {}
+        if "pinning_s" not in start or "pinning_s" not in end:
+            return None
+        spans.append(1000 * (end["pinning_s"] - start["pinning_s"]))
+    return spans
+
+
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
     """The figures of one configuration (MiB over the idle GPU, ms, tok/s)."""
     base = record.get("baseline_used_bytes") or []
@@ -62,7 +81,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     if "awake_used_bytes" in record:
         summary["awake_mib"] = _over(record["awake_used_bytes"], base)
     summary["tags_awake_mib"] = _tag_mib(record.get("awake_report"), "mapped")
-    asleep, freed, sleep_ms, host, tags_asleep, ledgers = {}, {}, {}, {}, {}, {}
+    asleep, freed, sleep_ms, host, pinned, tags_asleep, ledgers = {}, {}, {}, {}, {}, {}, {}
     for level in sorted({s["level"] for s in steps}):
         mine = [s for s in steps if s["level"] == level]
         key = str(level)
@@ -77,6 +96,9 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             backups = [r.get("host_bytes") for r in last_report]
             if all(b is not None for b in backups):
                 host[key] = [b / MiB for b in backups]
+            pinned_bytes = [(r.get("pinned_host") or {}).get("bytes") for r in last_report]
+            if all(b is not None for b in pinned_bytes):
+                pinned[key] = [b / MiB for b in pinned_bytes]
             if any(r.get("ledger") for r in last_report):
                 ledgers[key] = [r.get("ledger") for r in last_report]
     wake_ms = {}
@@ -84,11 +106,13 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         mine = [s for s in steps if (s["level"], s["wake"]) == (level, wake)]
         wake_ms[f"{level} {wake}"] = 1000 * _median([s["wake_s"] for s in mine])
     reloads = [s["reload_s"] for s in steps if s.get("reload_s")]
+    summary["first_sleep_pinning_ms"] = _first_sleep_pinning_ms(record)
     summary.update(
         asleep_mib=asleep,
         freed_mib=freed,
         tags_asleep_mib=tags_asleep,
         host_backup_mib=host,
+        pinned_host_mib=pinned,
         ledger_asleep=ledgers,
         sleep_ms=sleep_ms,
         wake_ms=wake_ms,
@@ -157,6 +181,9 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
         rows += per_gpu(f"tag {tag}, awake (MiB)", "tags_awake_mib", tag)
     for level in levels:
         rows += per_gpu(f"host backup at L{level} (MiB)", "host_backup_mib", level)
+    for level in levels:
+        rows += per_gpu(f"pinned host memory at L{level} (MiB)", "pinned_host_mib", level)
+    rows += per_gpu("pinning in the first sleep (ms)", "first_sleep_pinning_ms")
     for level in levels:
         rows.append((f"sleep L{level} (ms)", _get("sleep_ms", level), "{:.0f}"))
     for wake in wakes:
