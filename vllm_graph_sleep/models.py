@@ -648,7 +648,7 @@ def make_model(kind: str, out_dir: str | Path, *, seed: int = 0, force: bool = F
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m vllm_graph_sleep.models",
-        description="Build a small random-weight model directory that vLLM can load.",
+        description="Build a random-weight model directory that vLLM can load.",
     )
     parser.add_argument("kind", choices=ALL_KINDS)
     parser.add_argument("out_dir")

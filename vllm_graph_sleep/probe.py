@@ -25,7 +25,7 @@ def pinned_host() -> dict[str, float] | None:
         stats = torch.cuda.host_memory_stats()
     except (AttributeError, RuntimeError):
         return None
-    if "allocated_bytes.current" not in stats:  # torch without CUDA reports nothing
+    if "allocated_bytes.current" not in stats:  # nothing before CUDA is initialized
         return None
     return {
         "bytes": stats["allocated_bytes.current"],

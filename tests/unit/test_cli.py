@@ -127,6 +127,19 @@ def test_bench_model_dir_must_be_a_model(tmp_path):
         runner.resolve_model(settings, print)
 
 
+def test_the_bench_makes_its_model_in_a_child_process(tmp_path, monkeypatch):
+    from vllm_graph_sleep import models
+
+    # In this process it would keep the GPU busy (a large kind is drawn there).
+    monkeypatch.setattr(models, "make_model", lambda *a, **k: pytest.fail("made in the bench"))
+    path = runner.resolve_model(BenchSettings(cache_dir=tmp_path), print)
+    assert path == str((tmp_path / "llama").resolve()) and models.is_complete(path, "llama")
+    (tmp_path / "qwen3_moe").mkdir()
+    (tmp_path / "qwen3_moe" / "notes.txt").write_text("mine")  # not a folder it may replace
+    with pytest.raises(runner.BenchError, match="making the qwen3_moe model failed .exit 1.: "):
+        runner.resolve_model(BenchSettings(cache_dir=tmp_path, model_kind="qwen3_moe"), print)
+
+
 @pytest.mark.parametrize("config", ["ours", "stock_graphs", "stock_eager"])
 def test_serve_command_per_config(config):
     command = serve_command(
@@ -424,10 +437,10 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
         assert record["samples"]["t"] and record["events"][0]["kind"] == "ready"
         assert (out / f"{record['config']}.server.log").read_text().startswith("$ ")
         # One warm-up start per configuration, with its own log, before the measured one.
-        assert len(record["cold_start_s"]) == 1 and record["cold_start_s"][0] > 0
+        assert len(record["warm_up_start_s"]) == 1 and record["warm_up_start_s"][0] > 0
         warm_log = out / f"{record['config']}.warm-start-1.server.log"
         assert warm_log.read_text().startswith("$ ")
-        assert record["events"][0]["kind"] == "ready"
+        assert record["log"] == str(out / f"{record['config']}.server.log")
         # Samples and events count from the measured start, not from the warm-up's.
         assert record["ready_t"] <= record["start_s"] + 0.2
         # vLLM's own figure for its engine core, read from the server log.
@@ -468,6 +481,10 @@ def test_engine_init_is_read_from_vllms_log_the_slowest_core_counts(tmp_path):
     line = "init engine (profile, create kv cache, warmup model) took {} s{}\n"
     log.write_text(line.format("13.61", " (compilation: 2.13 s)") + line.format("6.29", ""))
     assert server.engine_init() == {"engine_init_s": 13.61, "compile_s": 2.13}
+    # With an encoder vLLM names the parts after the total.
+    encoder = " (compilation: 20.10 s \u2014 language_model: 12.00 s, encoder: 8.10 s)"
+    log.write_text(line.format("31.50", encoder))
+    assert server.engine_init() == {"engine_init_s": 31.5, "compile_s": 20.1}
 
 
 def test_a_floor_that_cannot_be_measured_is_said_and_the_bench_goes_on(
@@ -484,6 +501,38 @@ def test_a_floor_that_cannot_be_measured_is_said_and_the_bench_goes_on(
     assert "error" in json.loads((out / "results.json").read_text())["floor"]
 
 
+def test_a_floor_child_that_never_gets_ready_is_stopped_after_the_timeout(tmp_path, monkeypatch):
+    used = tmp_path / "used"
+    waits = fake_floor_child(used, "import sys; print('loading CUDA'); sys.stdin.readline()")
+    monkeypatch.setattr(floor, "floor_command", lambda gpus: waits)
+    started = time.monotonic()
+    measured = floor.measure(FakeMemory(used), timeout=1)
+    assert measured["error"] == "the floor's child process not ready after 1 s"
+    assert time.monotonic() - started < 15  # stopped, not waited for
+
+
+def test_a_floor_child_saying_nonsense_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    says = fake_floor_child(tmp_path / "used", f"print({floor.STACK!r} + ' lots')")
+    monkeypatch.setattr(floor, "floor_command", lambda gpus: says)
+    measured = floor.measure(FakeMemory(tmp_path / "used"), timeout=30)
+    assert measured["error"].startswith("the floor's child process said")
+
+
+def test_the_floor_waits_until_its_child_has_given_the_memory_back(tmp_path, monkeypatch):
+    # The driver frees an exited process's memory a moment later.
+    used = tmp_path / "used"
+    frees_later = f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(used)!r}).unlink()"
+    lags = (
+        f"import pathlib, subprocess, sys; p = pathlib.Path({str(used)!r}); "
+        f"p.write_text(str({IDLE} + {FLOOR_MIB * MiB})); print({floor.HOLDING!r}, flush=True); "
+        f"sys.stdin.readline(); subprocess.Popen([sys.executable, '-c', {frees_later!r}])"
+    )
+    monkeypatch.setattr(floor, "floor_command", lambda gpus: fake_floor_child(used, lags))
+    memory = FakeMemory(used)
+    assert floor.measure(memory)["used_bytes"] == [IDLE + FLOOR_MIB * MiB]
+    assert memory.used() == [IDLE]  # back before the first server's baseline
+
+
 def test_bench_without_the_floor(fake_bench, capsys):
     argv, out = fake_bench
     assert cli.main([*argv, "--configs", "ours", "--levels", "1", "--no-floor"]) == 0
@@ -496,7 +545,7 @@ def test_bench_without_warm_starts_measures_the_first_start(fake_bench, capsys):
     assert cli.main([*argv, "--configs", "ours", "--warm-starts", "0"]) == 0
     assert "engine start, first of the run" not in capsys.readouterr().out
     (record,) = json.loads((out / "results.json").read_text())["configs"]
-    assert record["cold_start_s"] == []
+    assert record["warm_up_start_s"] == []
     assert not list(out.glob("*.warm-start-*"))
 
 
@@ -523,6 +572,9 @@ def test_bench_server_that_does_not_start(fake_bench, monkeypatch, capsys):
     assert "no such model" in log.read_text()
     partial = json.loads((out / "results.json").read_text())
     assert partial["configs"][0]["error"] in line
+    assert (
+        partial["configs"][0]["log"] == str(log) and partial["configs"][0]["warm_up_start_s"] == []
+    )
 
 
 def test_bench_server_that_dies_is_reported_and_stopped(fake_bench, monkeypatch, capsys):

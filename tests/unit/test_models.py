@@ -499,10 +499,6 @@ def _vllm_load_check(paths: list[str]) -> None:
         del model, weights
 
 
-if __name__ == "__main__":
-    _vllm_load_check(sys.argv[1:])
-
-
 def test_the_large_kind_has_llama_3_8bs_shapes_and_draws_its_weights_on_the_gpu(monkeypatch):
     # Not built here (14 GB): its config, counted on the meta device, and where it is drawn.
     import torch
@@ -524,3 +520,7 @@ def test_the_large_kind_has_llama_3_8bs_shapes_and_draws_its_weights_on_the_gpu(
     assert models._weights_device("llama") == "cpu"  # small kinds: the same bytes everywhere
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert models._weights_device("llama_8b") == "cpu"
+
+
+if __name__ == "__main__":
+    _vllm_load_check(sys.argv[1:])

@@ -20,10 +20,11 @@ import threading
 import time
 from typing import Any
 
-from vllm_graph_sleep.bench.gpu import MemorySource, settle
+from vllm_graph_sleep.bench.gpu import MemorySource, settle, wait_released
 
 HOLDING = "vllm-graph-sleep floor: holding"
 STACK = "vllm-graph-sleep floor: stack"  # then the device's limit before and after, in bytes
+MiB = 2**20
 WHAT = "a bare CUDA context with a cuBLAS handle, stack reservation released"
 
 
@@ -57,7 +58,10 @@ def _wait_for_holding(
         if line.strip() == HOLDING:
             return None
         if line.startswith(STACK):
-            stacks.append([int(value) for value in line[len(STACK) :].split()])
+            try:
+                stacks.append([int(value) for value in line[len(STACK) :].split()])
+            except ValueError:
+                return f"said {line.strip()!r}"
         last = line.strip() or last
 
 
@@ -76,6 +80,7 @@ def measure(
         stderr=subprocess.STDOUT,
         env=env,
         text=True,
+        errors="replace",
     )
     try:
         stacks: list[list[int]] = []
@@ -96,13 +101,16 @@ def measure(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        # The driver frees an exited process's memory a moment later; the first
+        # server's baseline must not include it.
+        wait_released(memory, baseline, slack=16 * MiB, timeout=30)
 
 
 def over_idle_mib(floor: dict[str, Any] | None) -> list[float] | None:
     if not floor or "used_bytes" not in floor:
         return None
     return [
-        (used - idle) / 2**20
+        (used - idle) / MiB
         for used, idle in zip(floor["used_bytes"], floor["baseline_used_bytes"], strict=True)
     ]
 
@@ -111,6 +119,7 @@ def _hold(gpus: int) -> None:
     import torch
 
     from vllm_graph_sleep._native import VmmDriver
+    from vllm_graph_sleep.allocator import STACK_WHILE_ASLEEP
 
     driver = VmmDriver()
     for device in range(gpus):
@@ -119,7 +128,7 @@ def _hold(gpus: int) -> None:
             (x @ x).sum().item()  # the cuBLAS handle and its workspace
             torch.cuda.synchronize(device)
             before = driver.stack_limit(device)
-            driver.set_stack_limit(device, 0)
+            driver.set_stack_limit(device, STACK_WHILE_ASLEEP)
             print(f"{STACK} {before} {driver.stack_limit(device)}", flush=True)
     print(HOLDING, flush=True)
     sys.stdin.readline()

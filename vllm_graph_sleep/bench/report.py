@@ -73,8 +73,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     base = record.get("baseline_used_bytes") or []
     steps = record.get("steps") or []
     summary: dict[str, Any] = {"start_s": record.get("start_s"), "gpus": len(base)}
-    cold = record.get("cold_start_s") or []
-    summary["first_start_s"] = cold[0] if cold else None
+    warm_ups = record.get("warm_up_start_s") or []
+    summary["first_start_s"] = warm_ups[0] if warm_ups else None
     summary["engine_init"] = record.get("engine_init") or {}
     if record.get("error"):
         summary["error"] = record["error"]

@@ -1,5 +1,6 @@
-"""A whole bench run: the model, each configuration in turn, and the outputs
-(results.json after every configuration, memory.png and the table at the end).
+"""A whole bench run: the model, the floor (bench/floor.py), each configuration
+in turn, and the outputs (results.json after every configuration, memory.png
+and the table at the end).
 
 `run` takes the memory source and (optionally) the server command as arguments,
 so the same code runs against NVML and real `vllm serve` (the CLI) or against
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -62,12 +64,32 @@ def resolve_model(settings: BenchSettings, progress: Callable[[str], None]) -> s
         if not (path / "config.json").is_file():
             raise BenchError(f"--model {settings.model}: not a model directory (no config.json)")
         return str(path.resolve())
-    from vllm_graph_sleep.models import is_complete, make_model
+    from vllm_graph_sleep.models import is_complete
 
-    target = Path(settings.cache_dir).expanduser() / settings.model_kind
+    target = (Path(settings.cache_dir).expanduser() / settings.model_kind).resolve()
     if not is_complete(target, settings.model_kind):
         progress(f"making the {settings.model_kind} model in {target} (once; reused next time)")
-    return str(make_model(settings.model_kind, target))
+        _make_model_in_a_child(settings.model_kind, target)
+    return str(target)
+
+
+def _make_model_in_a_child(kind: str, target: Path) -> None:
+    """Makes the model in another process: a large kind is drawn on the GPU,
+    and the bench's own process must leave the GPU idle (no context, nothing
+    cached) for the baselines it measures."""
+    made = subprocess.run(
+        [sys.executable, "-m", "vllm_graph_sleep.models", kind, str(target)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        errors="replace",
+    )
+    if made.returncode != 0:
+        lines = (made.stderr or made.stdout).strip().splitlines()
+        raise BenchError(
+            f"making the {kind} model failed (exit {made.returncode}): "
+            + (lines[-1] if lines else "no output")
+        )
 
 
 def _version(package: str) -> str | None:
@@ -174,9 +196,9 @@ def _table_and_plot(results: dict[str, Any], table_path: Path, png_path: Path) -
 
 def merge(parts: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     """One results dictionary from runs of different configurations (e.g. one
-    run per configuration where a time limit forbids all in one): settings and
-    host of the first, configurations of all, in order; a configuration that
-    appears twice is refused."""
+    run per configuration where a time limit forbids all in one): settings,
+    host and floor of the first, configurations of all, in order; a
+    configuration that appears twice is refused."""
     merged = {**parts[0], "configs": [], "merged_from": sources}
     merged.pop("summary", None)
     for part in parts:

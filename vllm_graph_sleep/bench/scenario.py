@@ -1,8 +1,10 @@
 """One configuration from start to stop: the measurements of the bench.
 
-Order: baseline memory (before the server), start and /health (engine start
-time), warm-up, reference tokens, decode speed, awake memory and probe report,
-then for every (cycle, level, wake mode): sleep, /is_sleeping, asleep memory and
+Order: baseline memory (before the server), warm-up starts (the same server
+started to /health and stopped, --warm-starts times, so that the measured start
+finds its compile caches warm), start and /health (engine start time), a
+warm-up completion, reference tokens, decode speed, awake memory and probe
+report, then for every (cycle, level, wake mode): sleep, /is_sleeping, asleep memory and
 report, wake (full, or staged: weights, then kv_cache; level 2 reloads the
 weights after the weights are back), /is_sleeping, completions compared token by
 token with the reference; then decode speed again. The server is stopped
@@ -106,10 +108,11 @@ class Scenario:
         record = self.record
         record["serve_command"] = self.server.command
         record["baseline_used_bytes"] = baseline = settle(self.memory)
-        record["cold_start_s"] = [
-            self._warm_start(number, baseline) for number in range(1, self.settings.warm_starts + 1)
-        ]
+        record["warm_up_start_s"] = []  # each kept as it ends: a failing one keeps the rest
+        for number in range(1, self.settings.warm_starts + 1):
+            record["warm_up_start_s"].append(self._warm_start(number, baseline))
         self.origin = time.monotonic()  # samples and events count from the measured start
+        record["log"] = str(self.server.log_path)
         sampler = MemorySampler(self.memory, self.origin, self.settings.sample_interval)
         try:
             with sampler:
@@ -137,9 +140,10 @@ class Scenario:
     def _warm_start(self, number: int, baseline: list[int]) -> float:
         """Starts the same server to /health and stops it (it fills the compile
         caches the measured start then finds warm); returns its start time."""
-        model = self.server
-        log = model.log_path.with_name(f"{self.name}.warm-start-{number}.server.log")
-        server = Server(self.name, model.command, model.env, log)
+        measured = self.server
+        log = measured.log_path.with_name(f"{self.name}.warm-start-{number}.server.log")
+        self.record["log"] = str(log)  # the log to read if this start fails
+        server = Server(self.name, measured.command, measured.env, log)
         self._say(f"warm-up start {number} of {self.settings.warm_starts} (server log: {log})")
         try:
             server.start(self.client.base_url)

@@ -119,7 +119,8 @@ ERROR_LINE = re.compile(r"\b[A-Z]\w*(?:Error|Exception): .*$")
 #: processes' imports and the API server around them.
 ENGINE_INIT_LINE = re.compile(
     r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"
-    r"(?: \(compilation: ([\d.]+) s\))?"
+    # With an encoder, vLLM goes on after the seconds: "(compilation: X s — language_model: ...".
+    r"(?: \(compilation: ([\d.]+) s)?"
 )
 
 
