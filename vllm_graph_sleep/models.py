@@ -51,6 +51,12 @@ KINDS = ("llama", "deepseek_v2", "qwen3_moe", "qwen2_5_vl")
 #: the tests build only KINDS.
 LARGE_KINDS = ("llama_8b",)
 ALL_KINDS = KINDS + LARGE_KINDS
+#: The Llama kinds' shapes: hidden, intermediate, layers, attention heads, KV heads,
+#: head dim, rope theta.
+LLAMA_SHAPES = {
+    "llama": (1024, 2816, 8, 16, 8, 64, 10000.0),
+    "llama_8b": (4096, 14336, 32, 32, 8, 128, 500000.0),
+}
 #: Kinds with a vision encoder (and an image processor beside the tokenizer).
 VISION_KINDS = frozenset({"qwen2_5_vl"})
 
@@ -265,26 +271,16 @@ def _config(kind: str, vocab_size: int) -> Any:
         eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN),
         initializer_range=INIT_STD,
     )
-    if kind == "llama":
+    if kind in LLAMA_SHAPES:
+        hidden, intermediate, layers, heads, kv_heads, head_dim, rope_theta = LLAMA_SHAPES[kind]
         cfg = LlamaConfig(
-            hidden_size=1024,
-            intermediate_size=2816,
-            num_hidden_layers=8,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=64,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-            **common,
-        )
-    elif kind == "llama_8b":
-        cfg = LlamaConfig(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
             **common,
         )
     elif kind == "deepseek_v2":

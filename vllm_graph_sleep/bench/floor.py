@@ -106,15 +106,6 @@ def measure(
         wait_released(memory, baseline, slack=16 * MiB, timeout=30)
 
 
-def over_idle_mib(floor: dict[str, Any] | None) -> list[float] | None:
-    if not floor or "used_bytes" not in floor:
-        return None
-    return [
-        (used - idle) / MiB
-        for used, idle in zip(floor["used_bytes"], floor["baseline_used_bytes"], strict=True)
-    ]
-
-
 def _hold(gpus: int) -> None:
     import torch
 

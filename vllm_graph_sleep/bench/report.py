@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_graph_sleep.bench import floor, ledger_table
+from vllm_graph_sleep.bench import ledger_table
 from vllm_graph_sleep.bench.server import CONFIG_LABELS
 
 SCHEMA = "vllm-graph-sleep-bench/1"
@@ -255,9 +255,9 @@ def floor_line(results: dict[str, Any]) -> str | None:
     measured = results.get("floor")
     if not measured:
         return None
-    mib = floor.over_idle_mib(measured)
-    if mib is None:
+    if "used_bytes" not in measured:
         return f"floor ({measured.get('what')}): not measured: {measured.get('error')}"
+    mib = _over(measured["used_bytes"], measured["baseline_used_bytes"])
     values = ", ".join(f"{value:.0f}" for value in mib)
     return f"floor ({measured.get('what')}): {values} MiB over the idle GPU"
 
@@ -275,7 +275,7 @@ def format_table(results: dict[str, Any]) -> str:
     line = floor_line(results)
     if line:
         out.append(line)
-    _, ledger_lines = ledger_rows(results)
+    ledger_lines = ledger_table.rows(summaries)
     if ledger_lines:
         out += ["", *_aligned(header, ledger_lines), ledger_table.NOTE]
     return "\n".join(out)
