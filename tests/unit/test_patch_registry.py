@@ -101,3 +101,49 @@ def test_each_process_patches_only_what_it_imports():
     assert not report["attention_imported"]
     assert report["flag_added"]
     assert report["worker_patched"] == [True, True, True, True]
+
+
+_NESTED_FINDER = """
+import importlib.abc, importlib.util, json, sys
+from vllm.plugins import load_general_plugins
+from vllm_graph_sleep.patches._wrap import is_wrapped
+
+load_general_plugins()
+TARGET = "vllm.v1.worker.gpu_worker"
+searches = []
+
+
+class SearchesAgain(importlib.abc.MetaPathFinder):
+    # What a profiler's or a tracer's import hook does: look the module up
+    # again through every finder, ours included, from inside a search.
+    def find_spec(self, name, path, target=None):
+        if name != TARGET or searches:
+            return None
+        searches.append(name)
+        return importlib.util.find_spec(name)
+
+
+# Right behind our finder: ours asks it while searching itself.
+ours = next(i for i, f in enumerate(sys.meta_path) if type(f).__name__ == "_PatchOnImport")
+sys.meta_path.insert(ours + 1, SearchesAgain())
+from vllm.v1.worker import gpu_worker
+
+print("REPORT " + json.dumps({
+    "nested_search_ran": searches == [TARGET],
+    "patched": is_wrapped(gpu_worker.Worker.init_device),
+}))
+"""
+
+
+def test_an_import_hook_that_searches_again_still_gets_a_patched_module():
+    """Another finder that re-enters the import system for a module we wait for
+    (found by a profiling hook: our finder raised KeyError and the engine did
+    not start) gets the module patched once."""
+    env = {**os.environ, "VLLM_PLUGINS": "graph_sleep", "VLLM_LOGGING_LEVEL": "ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _NESTED_FINDER], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
+    assert json.loads(line.removeprefix("REPORT ")) == {"nested_search_ran": True, "patched": True}

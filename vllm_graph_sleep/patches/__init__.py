@@ -84,20 +84,27 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         self.waiting = waiting
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.waiting:
+        # Taken out before asking the other finders: one of them may search
+        # again (importlib.util.find_spec from a profiler's or a tracer's import
+        # hook), and that nested search must pass through us, not wrap twice.
+        patches = self.waiting.pop(fullname, None)
+        if patches is None:
             return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = None
+        try:
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            if spec is None or spec.loader is None:
+                self.waiting[fullname] = patches
+        if spec is None or spec.loader is None:
             return None
-        if spec.loader is None:
-            return None
-        spec.loader = _ApplyAfterExec(spec.loader, self.waiting.pop(fullname))
+        spec.loader = _ApplyAfterExec(spec.loader, patches)
         return spec
 
 
