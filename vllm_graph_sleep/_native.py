@@ -100,6 +100,21 @@ class VmmDriver:
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
+    def torch_segments(self) -> list[tuple[int, int]]:
+        """(address, stream) of every segment torch's allocator holds."""
+        return [(s["address"], s["stream"]) for s in torch.cuda.memory_snapshot()]
+
+    def create_blas_workspaces(self) -> None:
+        # torch makes the cuBLAS workspace of (handle, current stream) when it
+        # hands out the handle, and the cuBLASLt one at the first cuBLASLt call:
+        # a matmul with a bias vector takes that path.
+        torch.cuda.current_blas_handle()
+        ones = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        torch.addmm(ones[0], ones, ones)
+
+    def release_blas_workspaces(self) -> None:
+        torch._C._cuda_clearCublasWorkspaces()
+
     def device_bytes(self, device: int, address: int, size: int) -> torch.Tensor:
         return torch.as_tensor(_DeviceRange(address, size), device=torch.device("cuda", device))
 

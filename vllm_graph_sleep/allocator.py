@@ -64,6 +64,12 @@ BUILTIN_TAGS = (DEFAULT_TAG, WEIGHTS_TAG, KV_CACHE_TAG, GRAPH_TAG, RUNTIME_TAG)
 ZERO_ON_WAKE_ENV = "VLLM_GRAPH_SLEEP_ZERO_ON_WAKE"
 RELEASE_HOST_MEMORY_ENV = "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"
 RELEASE_STACK_ENV = "VLLM_GRAPH_SLEEP_RELEASE_STACK"
+RELEASE_BLAS_WORKSPACES_ENV = "VLLM_GRAPH_SLEEP_RELEASE_BLAS_WORKSPACES"
+WHOLE_GRAPH_POOL_BACKUP_ENV = "VLLM_GRAPH_SLEEP_BACK_UP_WHOLE_GRAPH_POOL"
+# Test switch: a wake fills what a graph-pool backup left out with this byte,
+# so that a replay reading memory it did not write gives wrong tokens.
+POISON_GRAPH_SCRATCH_ENV = "VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH"
+POISON_BYTE = 0xFF
 # Per-thread stack limit while asleep. The context reserves limit x every thread
 # the GPU can hold resident (264 MiB at 1 KiB on an H200) and keeps it until the
 # limit changes; nothing runs a graph while asleep, and wake restores the limit
@@ -90,9 +96,16 @@ class Allocation:
     # Pinned host buffer. Kept across cycles unless host memory is released.
     host: torch.Tensor | None = None
     has_backup: bool = False
+    # (offset, bytes) of what the backup holds; None: the whole allocation.
+    backup_ranges: list[tuple[int, int]] | None = None
     # Left by an earlier engine of this process and still referenced (vLLM keeps
     # some module-level caches): never slept, not counted, freed when it dies.
     orphaned: bool = False
+
+    def backup_bytes(self) -> int:
+        if self.backup_ranges is None:
+            return self.size
+        return sum(size for _, size in self.backup_ranges)
 
 
 def _env_flag(name: str) -> bool | None:
@@ -139,6 +152,8 @@ class GraphSleepAllocator:
         zero_on_wake: bool | None = None,
         release_host_memory: bool | None = None,
         release_stack: bool | None = None,
+        release_blas_workspaces: bool | None = None,
+        whole_graph_pool_backup: bool | None = None,
     ):
         self._driver = driver
         self.allocations: dict[int, Allocation] = {}
@@ -162,6 +177,13 @@ class GraphSleepAllocator:
         if release_stack is None:
             release_stack = _env_flag(RELEASE_STACK_ENV) is not False
         self.release_stack = release_stack
+        if release_blas_workspaces is None:
+            release_blas_workspaces = _env_flag(RELEASE_BLAS_WORKSPACES_ENV) is not False
+        self.release_blas_workspaces = release_blas_workspaces
+        if whole_graph_pool_backup is None:
+            whole_graph_pool_backup = bool(_env_flag(WHOLE_GRAPH_POOL_BACKUP_ENV))
+        self.whole_graph_pool_backup = whole_graph_pool_backup
+        self.poison_graph_scratch = bool(_env_flag(POISON_GRAPH_SCRATCH_ENV))
         # device -> the stack limit a wake puts back (only while it is lowered)
         self._saved_stack: dict[int, int] = {}
         # The extension keeps its own references to these bound methods.
@@ -288,6 +310,44 @@ class GraphSleepAllocator:
         with self._routed_to(None), self.cudagraph_pool() as pool:
             yield pool
 
+    def create_blas_workspaces_in_graph_pool(self) -> None:
+        """Creates the cuBLAS and cuBLASLt workspaces of this thread's current
+        stream in the graph pool, before anything on that stream uses cuBLAS.
+
+        torch keeps one workspace per (handle, stream), made at the first matmul
+        there. On a graph-capture stream that is the eager warm-up before the
+        first capture, outside every pool, and the captured graphs keep its
+        address: 33 MiB that stayed resident while asleep (H200 ledger, issue
+        15). Made in the graph pool, it sleeps and wakes with the graphs. A
+        stream that already has its workspaces keeps them where they are."""
+        with self.graph_pool_without_routing() as pool, self._routed_to(pool):
+            self._driver.create_blas_workspaces()
+
+    def _release_blas_workspaces(self) -> str:
+        """Has torch drop every cuBLAS/cuBLASLt workspace it keeps, when no
+        captured graph can be using one outside our pools.
+
+        A graph replays with the workspace its capture stream had. Those in our
+        pools stay mapped in their segments (they sleep and wake with the
+        pool); one outside would be freed under a graph. Captures never run on
+        the default stream, so the workspaces are dropped only when every torch
+        segment outside our pools was made for the default stream. torch makes
+        a dropped workspace again at the next matmul on its stream."""
+        if not self.release_blas_workspaces:
+            return f"cuBLAS workspaces kept ({RELEASE_BLAS_WORKSPACES_ENV}=0)"
+        streams = {
+            stream
+            for address, stream in self._driver.torch_segments()
+            if address not in self.allocations
+        }
+        if streams - {0}:
+            return (
+                "cuBLAS workspaces kept (torch memory outside our pools on "
+                f"{len(streams - {0})} non-default stream(s))"
+            )
+        self._driver.release_blas_workspaces()
+        return "cuBLAS workspaces released"
+
     # -- queries -----------------------------------------------------------
 
     def get_current_usage(self) -> int:
@@ -319,7 +379,8 @@ class GraphSleepAllocator:
             if allocation.mapped:
                 entry["mapped"] += allocation.size
             elif allocation.has_backup:
-                entry["backed_up"] += allocation.size
+                entry["backed_up"] += allocation.backup_bytes()
+                entry["dropped"] += allocation.size - allocation.backup_bytes()
             else:
                 entry["dropped"] += allocation.size
         return usage
@@ -330,7 +391,7 @@ class GraphSleepAllocator:
         return {tuple(pool.id) for pool in pools}
 
     def host_bytes(self) -> int:
-        return sum(a.size for a in self.allocations.values() if a.host is not None)
+        return sum(a.host.numel() for a in self.allocations.values() if a.host is not None)
 
     # -- sleep / wake / discard -------------------------------------------
 
@@ -357,7 +418,9 @@ class GraphSleepAllocator:
         offload = self._normalize(offload_tags, "sleep")
         start = time.perf_counter()
         self.claim_graph_pool()
-        # Segments that dropped pools freed since: nothing to back up there.
+        workspaces = self._release_blas_workspaces()
+        # Segments that dropped pools (and the workspaces) freed: nothing to
+        # back up there.
         self._driver.release_cached_memory()
         awake = [allocation for allocation in self._live() if allocation.mapped]
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
@@ -392,7 +455,9 @@ class GraphSleepAllocator:
         still_mapped: dict[str, int] = {}
         failures: list[str] = []
         for allocation in released:
-            _add(kept, allocation.tag, allocation.size)
+            _add(kept, allocation.tag, allocation.backup_bytes())
+            if allocation.backup_bytes() < allocation.size:
+                _add(dropped, allocation.tag, allocation.size - allocation.backup_bytes())
         for allocation in to_drop:
             try:
                 self._driver.unmap_and_release(*self._handle(allocation))
@@ -413,10 +478,11 @@ class GraphSleepAllocator:
             )
         stack = self._lower_stack({allocation.device for allocation in self._live()})
         logger.info(
-            "graph-sleep sleep: backed up %s; dropped %s; %s; %.3f s",
+            "graph-sleep sleep: backed up %s; dropped %s; %s; %s; %.3f s",
             _describe(kept),
             _describe(dropped),
             stack,
+            workspaces,
             time.perf_counter() - start,
         )
 
@@ -450,16 +516,59 @@ class GraphSleepAllocator:
 
     def _back_up(self, allocations: list[Allocation]) -> None:
         """Copies `allocations` to pinned host buffers and waits for the copies."""
+        live = self._graph_pool_live_ranges()
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
         for allocation in allocations:
-            if allocation.host is None:
-                allocation.host = self._driver.host_buffer(allocation.size)
-            allocation.host.copy_(self._device_bytes(allocation), non_blocking=True)
+            allocation.backup_ranges = live.get(allocation.address)
+            needed = allocation.backup_bytes()
+            if allocation.host is None or allocation.host.numel() < needed:
+                allocation.host = None
+                allocation.host = self._driver.host_buffer(needed)
+            for device_range, host_range in self._backup_pairs(allocation):
+                host_range.copy_(device_range, non_blocking=True)
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
         for allocation in allocations:
             allocation.has_backup = True
+
+    def _graph_pool_live_ranges(self) -> dict[int, list[tuple[int, int]]]:
+        """Segment address -> (offset, bytes) of the blocks torch still has
+        allocated there, for each segment of the graph pool.
+
+        Only those are backed up. The rest of the pool is graph scratch: torch
+        freed it during capture, so every replay writes it before reading it
+        (activations, kernel workspaces), as upstream's #59909 argues for the
+        whole pool. What capture left allocated (an output a runner keeps,
+        state a backend built at capture, sglang PR #32718) keeps its backup.
+        A wake with VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH=1 fills the rest with
+        0xFF, and the engine tests check tokens against that."""
+        if self._graph_pool is None or self.whole_graph_pool_backup:
+            return {}
+        live = {}
+        for segment in self._graph_pool.snapshot(include_traces=False):
+            if "blocks" not in segment:
+                continue
+            base = segment["address"]
+            live[base] = [
+                (block["address"] - base, block["size"])
+                for block in segment["blocks"]
+                if block["state"] != "inactive"
+            ]
+        return live
+
+    def _backup_pairs(self, allocation: Allocation) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device range, host range) pairs that a backup copies one way and a
+        wake the other."""
+        device = self._device_bytes(allocation)
+        if allocation.backup_ranges is None:
+            return [(device, allocation.host[: allocation.size])]
+        pairs = []
+        at = 0
+        for offset, size in allocation.backup_ranges:
+            pairs.append((device[offset : offset + size], allocation.host[at : at + size]))
+            at += size
+        return pairs
 
     def _restore_after_failed_sleep(
         self, released: list[Allocation], backed_up: list[Allocation]
@@ -566,7 +675,10 @@ class GraphSleepAllocator:
         fresh: dict[str, int] = {}
         for allocation in mapped:
             if allocation.has_backup:
-                self._device_bytes(allocation).copy_(allocation.host, non_blocking=True)
+                if self.poison_graph_scratch and allocation.backup_ranges is not None:
+                    self._device_bytes(allocation).fill_(POISON_BYTE)
+                for device_range, host_range in self._backup_pairs(allocation):
+                    device_range.copy_(host_range, non_blocking=True)
                 _add(restored, allocation.tag, allocation.size)
             else:
                 if self.zero_on_wake:

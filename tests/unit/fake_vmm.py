@@ -23,6 +23,7 @@ import torch
 STALE_BYTE = 0x5A
 PAGE = 2 << 20
 DEFAULT_STACK = 1024  # bytes per thread, what an H200 context starts with
+BLAS_WORKSPACE = 32 << 20  # torch's cuBLAS workspace on an H200
 
 
 class FakePool:
@@ -36,13 +37,19 @@ class FakePool:
         weakref.finalize(self, driver._pool_dropped, self.segments)
 
     def snapshot(self, include_traces: bool = True) -> list[dict]:
-        return [
-            {
+        segments = []
+        for address in self.segments:
+            segment = {
                 "address": address,
                 "allocated_size": 0 if address in self._driver.cached else PAGE,
             }
-            for address in self.segments
-        ]
+            if address in self._driver.blocks:
+                segment["blocks"] = [
+                    {"address": address + offset, "size": size, "state": state}
+                    for offset, size, state in self._driver.blocks[address]
+                ]
+            segments.append(segment)
+        return segments
 
 
 class FakeVmmDriver:
@@ -58,6 +65,13 @@ class FakeVmmDriver:
         # Weak: a log must not keep a dropped pool alive.
         self.routing_log: list[tuple[str, weakref.ref]] = []
         self._next_address = 0x7F0000000000
+        self.current_stream = 0  # what torch.cuda.current_stream() would be
+        self.workspaces: dict[int, int] = {}  # stream -> workspace address
+        self.segment_streams: dict[int, int] = {}  # our segment -> its stream, if not 0
+        self.outside_segments: list[tuple[int, int]] = []  # torch's own (address, stream)
+        self.blas_releases = 0
+        # segment -> [(offset, bytes, state)] torch's blocks there, where a test says
+        self.blocks: dict[int, list[tuple[int, int, str]]] = {}
         self._on_malloc = None
         self._on_free = None
         self.cached: set[int] = set()  # segments whose tensor died, still in their pool
@@ -114,6 +128,38 @@ class FakeVmmDriver:
     def host_buffer(self, size: int) -> torch.Tensor:
         self._maybe_fail("host_buffer", "CUDA error: out of memory (pinned host allocation)")
         return torch.empty(size, dtype=torch.uint8)
+
+    # -- torch's cuBLAS workspaces, one per stream ---------------------------
+
+    def torch_segments(self) -> list[tuple[int, int]]:
+        """(address, stream) of torch's segments: ours, then torch's own."""
+        ours = [(address, self.segment_streams.get(address, 0)) for address in self.memory]
+        return ours + list(self.outside_segments)
+
+    def create_blas_workspaces(self) -> None:
+        """What torch does at the first matmul on `current_stream`: a workspace
+        from the pool routed, or from torch's own memory."""
+        if self.current_stream in self.workspaces:
+            return
+        if self.routing:
+            address = self.malloc(BLAS_WORKSPACE)
+            self.segment_streams[address] = self.current_stream
+        else:
+            address = self._next_address
+            self._next_address += BLAS_WORKSPACE + PAGE
+            self.outside_segments.append((address, self.current_stream))
+        self.workspaces[self.current_stream] = address
+
+    def release_blas_workspaces(self) -> None:
+        """torch._C._cuda_clearCublasWorkspaces: every workspace is freed; one
+        in a pool stays cached there, torch's own goes at empty_cache."""
+        for stream, address in self.workspaces.items():
+            if address in self.memory:
+                self.tensor_dies(address)
+            else:
+                self.outside_segments.remove((address, stream))
+        self.workspaces.clear()
+        self.blas_releases += 1
 
     def synchronize(self, device: int) -> None:
         self._maybe_fail("synchronize", "CUDA error: an illegal memory access was encountered")

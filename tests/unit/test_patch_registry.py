@@ -66,8 +66,12 @@ from vllm.plugins import load_general_plugins
 from vllm_graph_sleep.patches import PATCHES
 from vllm_graph_sleep.patches._wrap import is_wrapped
 
+before = sorted(t for t in PATCHES.values() if t in sys.modules)
 load_general_plugins()
-report = {"imported_after_load": sorted(t for t in PATCHES.values() if t in sys.modules)}
+report = {
+    "imported_before_load": before,
+    "imported_after_load": sorted(t for t in PATCHES.values() if t in sys.modules),
+}
 # vLLM reads VLLM_USE_BREAKABLE_CUDAGRAPH when this module is imported: a plugin
 # that imported it at load would fix that choice before a test sets the variable.
 report["attention_imported"] = "vllm.model_executor.layers.attention.attention" in sys.modules
@@ -75,7 +79,9 @@ from vllm.engine.arg_utils import EngineArgs
 report["flag_added"] = is_wrapped(EngineArgs.add_cli_args)
 from vllm.v1.worker import gpu_worker, gpu_model_runner  # what a worker imports next
 from vllm.distributed.device_communicators import custom_all_reduce
+from vllm.distributed import parallel_state
 report["worker_patched"] = [
+    is_wrapped(parallel_state.GroupCoordinator.graph_capture),
     is_wrapped(gpu_worker.Worker.init_device),
     is_wrapped(gpu_worker.get_mem_allocator_instance),
     is_wrapped(gpu_model_runner.GPUModelRunner.initialize_kv_cache_tensors),
@@ -97,10 +103,15 @@ def test_each_process_patches_only_what_it_imports():
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
     report = json.loads(line.removeprefix("REPORT "))
-    assert report["imported_after_load"] == ["vllm.engine.arg_utils"]
+    # arg_utils brings parallel_state with it; the plugin adds none.
+    assert report["imported_before_load"] == [
+        "vllm.distributed.parallel_state",
+        "vllm.engine.arg_utils",
+    ]
+    assert report["imported_after_load"] == report["imported_before_load"]
     assert not report["attention_imported"]
     assert report["flag_added"]
-    assert report["worker_patched"] == [True, True, True, True]
+    assert report["worker_patched"] == [True, True, True, True, True]
 
 
 _NESTED_FINDER = """

@@ -41,6 +41,7 @@ PATCHES = {
     "distributed_device_communicators_aiter_custom_all_reduce": (
         "vllm.distributed.device_communicators.aiter_custom_all_reduce"
     ),
+    "distributed_parallel_state": "vllm.distributed.parallel_state",
     "v1_worker_gpu_worker": "vllm.v1.worker.gpu_worker",
     "v1_worker_gpu_attn_utils": "vllm.v1.worker.gpu.attn_utils",
     "v1_worker_gpu_model_runner": "vllm.v1.worker.gpu_model_runner",

@@ -204,6 +204,9 @@ def capture_into_graph_pool(alloc, weight, x, with_capture_time_state):
 
     With `with_capture_time_state`, `bias` is allocated during capture but only
     written after it: replays read it without writing it, so it needs a backup.
+    The graph holds it, as a backend holds the state it builds at capture (a
+    block torch has allocated is backed up; one freed during capture is
+    scratch, written by every replay before it is read).
     """
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -220,6 +223,7 @@ def capture_into_graph_pool(alloc, weight, x, with_capture_time_state):
             out = out + bias
     if bias is not None:
         bias.fill_(0.5)
+    graph.capture_time_state = bias
     return graph, out
 
 
@@ -263,6 +267,28 @@ def test_graph_pool_is_backed_up_and_replays_after_any_wake():
     assert torch.equal(weight, reference_weight)
     graph.replay()
     assert torch.equal(out, expected)
+
+
+@fresh_process
+def test_graph_scratch_is_left_out_of_the_backup_and_replays_exact():
+    alloc = manager()
+    with alloc.use_memory_pool("weights"):
+        weight = torch.randn(1024, 1024, device="cuda")
+    x = torch.randn(64, 1024, device="cuda")
+    graph, out = capture_into_graph_pool(alloc, weight, x, with_capture_time_state=True)
+    graph.replay()
+    expected = expected_output(x, weight, True)
+    held = out.numel() * out.element_size() + graph.capture_time_state.numel() * 4
+    for _ in range(3):
+        alloc.sleep(offload_tags=("weights", GRAPH_TAG))
+        usage = alloc.usage_by_tag()[GRAPH_TAG]
+        # What the graph keeps is backed up; the matmul's freed temporary is not.
+        assert held <= usage["backed_up"] < held + (1 << 20)
+        assert usage["dropped"] >= x.shape[0] * weight.shape[1] * 4
+        with poisoned_remaps(alloc):
+            alloc.wake_up()
+        graph.replay()
+        assert torch.equal(out, expected)
 
 
 @fresh_process

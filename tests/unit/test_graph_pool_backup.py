@@ -1,0 +1,90 @@
+"""What a sleep backs up of the graph pool (CPU, faked VMM layer): the blocks
+torch still has allocated there, not the graph scratch around them."""
+
+import logging
+
+import pytest
+
+from tests.unit.fake_vmm import PAGE, STALE_BYTE, FakeVmmDriver
+from vllm_graph_sleep.allocator import POISON_BYTE, GraphSleepAllocator
+
+KIB = 1 << 10
+LIVE = 64 * KIB  # an output a runner keeps, at offset 256 KiB of the segment
+AT = 256 * KIB
+
+
+def graph_pool_segment(**kwargs):
+    driver = FakeVmmDriver(capacity=1 << 30)
+    manager = GraphSleepAllocator(driver, **kwargs)
+    with manager.cudagraph_pool() as pool, manager._routed_to(pool):
+        address = driver.malloc(PAGE)
+    driver.blocks[address] = [
+        (0, AT, "inactive"),
+        (AT, LIVE, "active_allocated"),
+        (AT + LIVE, PAGE - AT - LIVE, "inactive"),
+    ]
+    driver.write(address, 7)
+    return driver, manager, address
+
+
+def test_only_the_live_block_is_backed_up_and_restored_in_place(caplog):
+    driver, manager, address = graph_pool_segment()
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("cudagraph",))
+    assert manager.host_bytes() == LIVE
+    assert manager.usage_by_tag()["cudagraph"] == {
+        "mapped": 0,
+        "backed_up": LIVE,
+        "dropped": PAGE - LIVE,
+    }
+    assert "backed up cudagraph 64.00 KiB" in caplog.records[0].getMessage()
+    manager.wake_up(["kv_cache"])  # any wake brings the graph pool back
+    memory = driver.read(address)
+    assert bool((memory[AT : AT + LIVE] == 7).all())
+    # Scratch holds whatever the fresh mapping held: replays write it first.
+    assert bool((memory[:AT] == STALE_BYTE).all())
+
+
+def test_the_poison_switch_fills_the_scratch_for_the_engine_tests(monkeypatch):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH", "1")
+    driver, manager, address = graph_pool_segment()
+    manager.sleep(offload_tags=("cudagraph",))
+    manager.wake_up()
+    memory = driver.read(address)
+    assert bool((memory[AT : AT + LIVE] == 7).all())
+    assert bool((memory[:AT] == POISON_BYTE).all())
+    assert bool((memory[AT + LIVE :] == POISON_BYTE).all())
+
+
+def test_the_whole_pool_is_backed_up_when_asked(monkeypatch):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_BACK_UP_WHOLE_GRAPH_POOL", "1")
+    driver, manager, address = graph_pool_segment()
+    manager.sleep(offload_tags=("cudagraph",))
+    assert manager.host_bytes() == PAGE
+    manager.wake_up()
+    assert bool((driver.read(address) == 7).all())
+
+
+@pytest.mark.parametrize("live_after", [2 * LIVE, LIVE // 2])
+def test_a_backup_follows_the_live_blocks_of_each_sleep(live_after):
+    driver, manager, address = graph_pool_segment()
+    manager.sleep(offload_tags=("cudagraph",))
+    manager.wake_up()
+    driver.blocks[address][1] = (AT, live_after, "active_allocated")
+    driver.write(address, 9)
+    manager.sleep(offload_tags=("cudagraph",))
+    assert manager.usage_by_tag()["cudagraph"]["backed_up"] == live_after
+    assert manager.host_bytes() >= live_after
+    manager.wake_up()
+    assert bool((driver.read(address)[AT : AT + live_after] == 9).all())
+
+
+def test_segments_outside_the_graph_pool_are_backed_up_whole():
+    driver, manager, address = graph_pool_segment()
+    with manager.allocation_tag("weights"):
+        weights = driver.malloc(PAGE)
+    driver.write(weights, 3)
+    manager.sleep(offload_tags=("cudagraph", "weights"))
+    assert manager.usage_by_tag()["weights"]["backed_up"] == PAGE
+    manager.wake_up()
+    assert bool((driver.read(weights) == 3).all())

@@ -1,0 +1,49 @@
+"""Patch: vllm.distributed.parallel_state (GroupCoordinator.graph_capture).
+
+vLLM symbol: GroupCoordinator.graph_capture(graph_capture_context), the context
+every capture of both model runners enters (through the module's graph_capture,
+with a fresh side stream) before its eager warm-up runs. Verified against vLLM
+0.26.0.
+
+Why: torch gives each (cuBLAS handle, stream) its own workspace (32 MiB plus
+1 MiB for cuBLASLt on an H200), made at the first matmul on the stream. On the
+capture stream that is the warm-up, outside every pool, and the graphs keep its
+address, so it stayed resident while asleep: the 33 MiB the H200 ledger put on
+the capture stream (issue 15). With graph offload active the workspaces of the
+capture stream are made in our "cudagraph" pool as the context opens, so they
+sleep and wake with the graphs, and a sleep may drop torch's other workspaces
+(GraphSleepAllocator._release_blas_workspaces). Not while vLLM profiles graph
+memory (config.outside_pools): those graphs are thrown away.
+
+Remove when: upstream vLLM makes capture-stream workspaces in its graph pool
+(not done as of the 0.33 graph-offload PRs #59160 / #59523).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from vllm_graph_sleep import config
+from vllm_graph_sleep.allocator import GraphSleepAllocator
+from vllm_graph_sleep.patches._wrap import require, wrap_function
+
+WHERE = "vllm.distributed.parallel_state.GroupCoordinator"
+
+
+def _wrap_graph_capture(original):
+    @contextmanager
+    def graph_capture(self, *args, **kwargs):
+        with original(self, *args, **kwargs) as context:
+            if config.routes_to_pools():
+                GraphSleepAllocator.get_instance().create_blas_workspaces_in_graph_pool()
+            yield context
+
+    return graph_capture
+
+
+def apply() -> None:
+    from vllm.distributed import parallel_state
+
+    coordinator = require(parallel_state, "GroupCoordinator", where=WHERE)
+    require(coordinator, "graph_capture", where=WHERE, parameters=("graph_capture_context",))
+    wrap_function(coordinator, "graph_capture", _wrap_graph_capture, where=WHERE)
