@@ -100,6 +100,17 @@ class VmmDriver:
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
+    def current_stream_handle(self) -> int:
+        return torch.cuda.current_stream().cuda_stream
+
+    def pool_allocated_bytes(self, pool: torch.cuda.MemPool) -> int:
+        return sum(segment["allocated_size"] for segment in pool.snapshot(include_traces=False))
+
+    def blas_workspace_bytes(self) -> int | None:
+        from vllm_graph_sleep.ledger import cublas_workspace_estimate
+
+        return cublas_workspace_estimate(torch.cuda.current_device())[0]
+
     def torch_segments(self) -> list[tuple[int, int]]:
         """(address, stream) of every segment torch's allocator holds."""
         return [(s["address"], s["stream"]) for s in torch.cuda.memory_snapshot()]

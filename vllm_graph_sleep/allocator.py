@@ -186,6 +186,8 @@ class GraphSleepAllocator:
         self.poison_graph_scratch = bool(_env_flag(POISON_GRAPH_SCRATCH_ENV))
         # device -> the stack limit a wake puts back (only while it is lowered)
         self._saved_stack: dict[int, int] = {}
+        # Streams whose cuBLAS workspace this allocator made in the graph pool.
+        self._streams_with_workspaces_in_pool: set[int] = set()
         # The extension keeps its own references to these bound methods.
         driver.register_callbacks(self._on_malloc, self._on_free)
 
@@ -319,9 +321,16 @@ class GraphSleepAllocator:
         first capture, outside every pool, and the captured graphs keep its
         address: 33 MiB that stayed resident while asleep (H200 ledger, issue
         15). Made in the graph pool, it sleeps and wakes with the graphs. A
-        stream that already has its workspaces keeps them where they are."""
+        stream that already has its workspaces keeps them where they are: the
+        stream counts as served from the pool only when the pool grew by a
+        whole cuBLAS workspace."""
         with self.graph_pool_without_routing() as pool, self._routed_to(pool):
+            before = self._driver.pool_allocated_bytes(pool)
             self._driver.create_blas_workspaces()
+            made = self._driver.pool_allocated_bytes(pool) - before
+        workspace = self._driver.blas_workspace_bytes()
+        if workspace is not None and made >= workspace:
+            self._streams_with_workspaces_in_pool.add(self._driver.current_stream_handle())
 
     def _release_blas_workspaces(self) -> str:
         """Has torch drop every cuBLAS/cuBLASLt workspace it keeps, when no
@@ -331,8 +340,10 @@ class GraphSleepAllocator:
         pools stay mapped in their segments (they sleep and wake with the
         pool); one outside would be freed under a graph. Captures never run on
         the default stream, so the workspaces are dropped only when every torch
-        segment outside our pools was made for the default stream. torch makes
-        a dropped workspace again at the next matmul on its stream."""
+        segment outside our pools was made for the default stream or for a
+        capture stream whose workspaces were made in the graph pool (what else
+        a warm-up left there is not a workspace of the capturing thread). torch
+        makes a dropped workspace again at the next matmul on its stream."""
         if not self.release_blas_workspaces:
             return f"cuBLAS workspaces kept ({RELEASE_BLAS_WORKSPACES_ENV}=0)"
         streams = {
@@ -340,10 +351,11 @@ class GraphSleepAllocator:
             for address, stream in self._driver.torch_segments()
             if address not in self.allocations
         }
-        if streams - {0}:
+        unsafe = streams - {0} - self._streams_with_workspaces_in_pool
+        if unsafe:
             return (
                 "cuBLAS workspaces kept (torch memory outside our pools on "
-                f"{len(streams - {0})} non-default stream(s))"
+                f"{len(unsafe)} non-default stream(s))"
             )
         self._driver.release_blas_workspaces()
         return "cuBLAS workspaces released"

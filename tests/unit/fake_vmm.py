@@ -41,7 +41,9 @@ class FakePool:
         for address in self.segments:
             segment = {
                 "address": address,
-                "allocated_size": 0 if address in self._driver.cached else PAGE,
+                "allocated_size": (
+                    0 if address in self._driver.cached else self._driver.memory[address].numel()
+                ),
             }
             if address in self._driver.blocks:
                 segment["blocks"] = [
@@ -130,6 +132,15 @@ class FakeVmmDriver:
         return torch.empty(size, dtype=torch.uint8)
 
     # -- torch's cuBLAS workspaces, one per stream ---------------------------
+
+    def current_stream_handle(self) -> int:
+        return self.current_stream
+
+    def pool_allocated_bytes(self, pool: FakePool) -> int:
+        return sum(segment["allocated_size"] for segment in pool.snapshot())
+
+    def blas_workspace_bytes(self) -> int | None:
+        return BLAS_WORKSPACE
 
     def torch_segments(self) -> list[tuple[int, int]]:
         """(address, stream) of torch's segments: ours, then torch's own."""

@@ -79,6 +79,25 @@ def test_a_workspace_outside_our_pools_on_another_stream_keeps_them_all(caplog):
     )
 
 
+def test_other_memory_a_warm_up_left_on_a_prepared_capture_stream_is_no_workspace():
+    driver, manager = make()
+    capture_stream_workspaces(driver, manager)
+    # The H200 run: 1 MiB of something else the warm-up made on that stream.
+    driver.outside_segments.append((0x1234000, CAPTURE_STREAM))
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == 1
+
+
+def test_a_stream_that_had_its_workspace_outside_before_capture_keeps_them_all():
+    driver, manager = make()
+    driver.current_stream = CAPTURE_STREAM
+    driver.create_blas_workspaces()  # a pooled stream used before, outside every pool
+    manager.create_blas_workspaces_in_graph_pool()  # finds it made: nothing moves
+    driver.current_stream = 0
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == 0
+
+
 def test_the_workspaces_are_kept_when_switched_off(monkeypatch):
     monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_BLAS_WORKSPACES", "0")
     driver, manager = make()
