@@ -284,7 +284,15 @@ class GraphSleepAllocator:
     def release_pools(self) -> None:
         """Engine shutdown: drops the graph pool (a next engine in this process
         gets a new one) and has torch hand back every free segment of ours.
-        Allocations still alive afterwards belong to tensors someone holds."""
+        Allocations still alive afterwards belong to tensors someone holds.
+
+        torch's workspaces go too: one made in this graph pool would otherwise
+        outlive it, and a next engine capturing on the same (pooled) stream
+        would use it from a segment nobody sleeps, or that is unmapped once
+        torch frees it."""
+        if self._streams_with_workspaces_in_pool:
+            self._driver.release_blas_workspaces()
+            self._streams_with_workspaces_in_pool.clear()
         self._graph_pool = None
         self._driver.release_cached_memory()
         if self.allocations:

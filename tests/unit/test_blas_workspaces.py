@@ -98,6 +98,18 @@ def test_a_stream_that_had_its_workspace_outside_before_capture_keeps_them_all()
     assert driver.blas_releases == 0
 
 
+def test_a_next_engine_capturing_on_the_same_stream_gets_workspaces_in_its_own_pool():
+    driver, manager = make()
+    first = capture_stream_workspaces(driver, manager)
+    manager.release_pools()  # engine shutdown
+    assert first not in manager.allocations  # freed with the dropped pool
+    second = capture_stream_workspaces(driver, manager)  # a pooled stream comes back
+    with manager.cudagraph_pool() as pool:
+        assert second in pool.segments
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == 2  # shutdown, then this sleep
+
+
 def test_the_workspaces_are_kept_when_switched_off(monkeypatch):
     monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_BLAS_WORKSPACES", "0")
     driver, manager = make()
