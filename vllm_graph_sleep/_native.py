@@ -103,23 +103,28 @@ class VmmDriver:
     def current_stream_handle(self) -> int:
         return torch.cuda.current_stream().cuda_stream
 
-    def pool_allocated_bytes(self, pool: torch.cuda.MemPool) -> int:
-        return sum(segment["allocated_size"] for segment in pool.snapshot(include_traces=False))
-
-    def blas_workspace_bytes(self) -> int | None:
-        from vllm_graph_sleep.ledger import cublas_workspace_estimate
-
-        return cublas_workspace_estimate(torch.cuda.current_device())[0]
+    def pool_active_blocks(self, pool: torch.cuda.MemPool) -> set[tuple[int, int]]:
+        """(address, bytes) of the blocks torch has allocated in `pool`."""
+        return {
+            (block["address"], block["size"])
+            for segment in pool.snapshot(include_traces=False)
+            for block in segment["blocks"]
+            if block["state"] != "inactive"
+        }
 
     def torch_segments(self) -> list[tuple[int, int]]:
         """(address, stream) of every segment torch's allocator holds."""
         return [(s["address"], s["stream"]) for s in torch.cuda.memory_snapshot()]
 
-    def create_blas_workspaces(self) -> None:
+    def create_blas_workspace(self) -> None:
         # torch makes the cuBLAS workspace of (handle, current stream) when it
-        # hands out the handle, and the cuBLASLt one at the first cuBLASLt call:
-        # a matmul with a bias vector takes that path.
+        # hands out the handle.
         torch.cuda.current_blas_handle()
+
+    def create_blas_lt_workspace(self) -> None:
+        # ... and the cuBLASLt one at the first cuBLASLt call: a matmul with a
+        # bias vector takes that path unless torch has it turned off
+        # (DISABLE_ADDMM_CUDA_LT=1), in which case nothing is made.
         ones = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
         torch.addmm(ones[0], ones, ones)
 

@@ -186,8 +186,10 @@ class GraphSleepAllocator:
         self.poison_graph_scratch = bool(_env_flag(POISON_GRAPH_SCRATCH_ENV))
         # device -> the stack limit a wake puts back (only while it is lowered)
         self._saved_stack: dict[int, int] = {}
-        # Streams whose cuBLAS workspace this allocator made in the graph pool.
+        # Streams whose cuBLAS and cuBLASLt workspaces this allocator made in
+        # the graph pool, and the (address, bytes) blocks they took there.
         self._streams_with_workspaces_in_pool: set[int] = set()
+        self._workspace_blocks: set[tuple[int, int]] = set()
         # The extension keeps its own references to these bound methods.
         driver.register_callbacks(self._on_malloc, self._on_free)
 
@@ -290,9 +292,11 @@ class GraphSleepAllocator:
         outlive it, and a next engine capturing on the same (pooled) stream
         would use it from a segment nobody sleeps, or that is unmapped once
         torch frees it."""
-        if self._streams_with_workspaces_in_pool:
-            self._driver.release_blas_workspaces()
+        if self._workspace_blocks:
+            outcome = self._release_blas_workspaces()
+            logger.debug("graph-sleep: at shutdown, %s", outcome)
             self._streams_with_workspaces_in_pool.clear()
+            self._workspace_blocks.clear()
         self._graph_pool = None
         self._driver.release_cached_memory()
         if self.allocations:
@@ -328,16 +332,32 @@ class GraphSleepAllocator:
         there. On a graph-capture stream that is the eager warm-up before the
         first capture, outside every pool, and the captured graphs keep its
         address: 33 MiB that stayed resident while asleep (H200 ledger, issue
-        15). Made in the graph pool, it sleeps and wakes with the graphs. A
-        stream that already has its workspaces keeps them where they are: the
-        stream counts as served from the pool only when the pool grew by a
-        whole cuBLAS workspace."""
-        with self.graph_pool_without_routing() as pool, self._routed_to(pool):
-            before = self._driver.pool_allocated_bytes(pool)
-            self._driver.create_blas_workspaces()
-            made = self._driver.pool_allocated_bytes(pool) - before
-        workspace = self._driver.blas_workspace_bytes()
-        if workspace is not None and made >= workspace:
+        15). Made in the graph pool, it sleeps and wakes with the graphs, and
+        is never backed up: a workspace is scratch within each call.
+
+        A stream that already has a workspace keeps it where it is, and each
+        step makes at most its own workspace, so what the pool gained in each
+        step is that workspace. The stream counts as served from the pool (see
+        _release_blas_workspaces) only when both were made here. This is an
+        optimisation: if it fails, the capture goes on with the workspaces
+        where torch puts them."""
+        try:
+            with self.graph_pool_without_routing() as pool, self._routed_to(pool):
+                before = self._driver.pool_active_blocks(pool)
+                self._driver.create_blas_workspace()
+                after_blas = self._driver.pool_active_blocks(pool)
+                self._driver.create_blas_lt_workspace()
+                after_lt = self._driver.pool_active_blocks(pool)
+        except Exception as error:
+            logger.warning(
+                "graph-sleep: the capture stream's cuBLAS workspaces stay outside the graph "
+                "pool: %s",
+                error,
+            )
+            return
+        made_blas, made_lt = after_blas - before, after_lt - after_blas
+        self._workspace_blocks |= made_blas | made_lt
+        if made_blas and made_lt:
             self._streams_with_workspaces_in_pool.add(self._driver.current_stream_handle())
 
     def _release_blas_workspaces(self) -> str:
@@ -348,24 +368,37 @@ class GraphSleepAllocator:
         pools stay mapped in their segments (they sleep and wake with the
         pool); one outside would be freed under a graph. Captures never run on
         the default stream, so the workspaces are dropped only when every torch
-        segment outside our pools was made for the default stream or for a
-        capture stream whose workspaces were made in the graph pool (what else
-        a warm-up left there is not a workspace of the capturing thread). torch
-        makes a dropped workspace again at the next matmul on its stream."""
+        segment outside the graph pool (our other pools included: one closed
+        pool frees its segments when they empty) was made for the default
+        stream or for a capture stream whose workspaces were both made in the
+        graph pool (what else a warm-up left there is not a workspace of the
+        capturing thread). torch makes a dropped workspace again at the next
+        matmul on its stream.
+
+        Not covered: after a release, eager cuBLAS work on such a capture stream
+        followed by a new capture on it that bypasses vLLM's graph_capture;
+        vLLM 0.26 does neither once its graphs are captured."""
         if not self.release_blas_workspaces:
             return f"cuBLAS workspaces kept ({RELEASE_BLAS_WORKSPACES_ENV}=0)"
+        graph_segments = set()
+        if self._graph_pool is not None:
+            graph_segments = {
+                segment["address"] for segment in self._graph_pool.snapshot(include_traces=False)
+            }
         streams = {
             stream
             for address, stream in self._driver.torch_segments()
-            if address not in self.allocations
+            if address not in graph_segments
         }
         unsafe = streams - {0} - self._streams_with_workspaces_in_pool
         if unsafe:
             return (
-                "cuBLAS workspaces kept (torch memory outside our pools on "
+                "cuBLAS workspaces kept (torch memory outside the graph pool on "
                 f"{len(unsafe)} non-default stream(s))"
             )
         self._driver.release_blas_workspaces()
+        # Their blocks are free now; a later capture may put a live tensor there.
+        self._workspace_blocks.clear()
         return "cuBLAS workspaces released"
 
     # -- queries -----------------------------------------------------------
@@ -542,7 +575,11 @@ class GraphSleepAllocator:
         for allocation in allocations:
             allocation.backup_ranges = live.get(allocation.address)
             needed = allocation.backup_bytes()
-            if allocation.host is None or allocation.host.numel() < needed:
+            held = 0 if allocation.host is None else allocation.host.numel()
+            # Reused across cycles; replaced when too small or far too large.
+            if needed == 0:
+                allocation.host = None
+            elif not needed <= held <= 2 * needed:
                 allocation.host = None
                 allocation.host = self._driver.host_buffer(needed)
             for device_range, host_range in self._backup_pairs(allocation):
@@ -574,6 +611,7 @@ class GraphSleepAllocator:
                 (block["address"] - base, block["size"])
                 for block in segment["blocks"]
                 if block["state"] != "inactive"
+                and (block["address"], block["size"]) not in self._workspace_blocks
             ]
         return live
 
@@ -695,11 +733,16 @@ class GraphSleepAllocator:
         fresh: dict[str, int] = {}
         for allocation in mapped:
             if allocation.has_backup:
-                if self.poison_graph_scratch and allocation.backup_ranges is not None:
+                partial = allocation.backup_bytes() < allocation.size
+                if partial and self.poison_graph_scratch:
                     self._device_bytes(allocation).fill_(POISON_BYTE)
+                elif partial and self.zero_on_wake:
+                    self._device_bytes(allocation).zero_()
                 for device_range, host_range in self._backup_pairs(allocation):
                     device_range.copy_(host_range, non_blocking=True)
-                _add(restored, allocation.tag, allocation.size)
+                _add(restored, allocation.tag, allocation.backup_bytes())
+                if partial:
+                    _add(fresh, allocation.tag, allocation.size - allocation.backup_bytes())
             else:
                 if self.zero_on_wake:
                     self._device_bytes(allocation).zero_()

@@ -24,6 +24,7 @@ STALE_BYTE = 0x5A
 PAGE = 2 << 20
 DEFAULT_STACK = 1024  # bytes per thread, what an H200 context starts with
 BLAS_WORKSPACE = 32 << 20  # torch's cuBLAS workspace on an H200
+LT_WORKSPACE = 1 << 20  # and its cuBLASLt one
 
 
 class FakePool:
@@ -45,11 +46,13 @@ class FakePool:
                     0 if address in self._driver.cached else self._driver.memory[address].numel()
                 ),
             }
-            if address in self._driver.blocks:
-                segment["blocks"] = [
-                    {"address": address + offset, "size": size, "state": state}
-                    for offset, size, state in self._driver.blocks[address]
-                ]
+            # torch lists every block: one per segment here unless a test says more.
+            size = self._driver.memory[address].numel()
+            state = "inactive" if address in self._driver.cached else "active_allocated"
+            segment["blocks"] = [
+                {"address": address + offset, "size": size, "state": state}
+                for offset, size, state in self._driver.blocks.get(address, [(0, size, state)])
+            ]
             segments.append(segment)
         return segments
 
@@ -68,7 +71,8 @@ class FakeVmmDriver:
         self.routing_log: list[tuple[str, weakref.ref]] = []
         self._next_address = 0x7F0000000000
         self.current_stream = 0  # what torch.cuda.current_stream() would be
-        self.workspaces: dict[int, int] = {}  # stream -> workspace address
+        self.workspaces: dict[int, dict[str, int]] = {}  # stream -> {"blas"|"lt": address}
+        self.lt_path = True  # False: torch's addmm skips cuBLASLt (DISABLE_ADDMM_CUDA_LT=1)
         self.segment_streams: dict[int, int] = {}  # our segment -> its stream, if not 0
         self.outside_segments: list[tuple[int, int]] = []  # torch's own (address, stream)
         self.blas_releases = 0
@@ -136,39 +140,55 @@ class FakeVmmDriver:
     def current_stream_handle(self) -> int:
         return self.current_stream
 
-    def pool_allocated_bytes(self, pool: FakePool) -> int:
-        return sum(segment["allocated_size"] for segment in pool.snapshot())
-
-    def blas_workspace_bytes(self) -> int | None:
-        return BLAS_WORKSPACE
+    def pool_active_blocks(self, pool: FakePool) -> set[tuple[int, int]]:
+        return {
+            (block["address"], block["size"])
+            for segment in pool.snapshot()
+            for block in segment["blocks"]
+            if block["state"] != "inactive"
+        }
 
     def torch_segments(self) -> list[tuple[int, int]]:
         """(address, stream) of torch's segments: ours, then torch's own."""
         ours = [(address, self.segment_streams.get(address, 0)) for address in self.memory]
         return ours + list(self.outside_segments)
 
-    def create_blas_workspaces(self) -> None:
-        """What torch does at the first matmul on `current_stream`: a workspace
+    def _workspace(self, kind: str, size: int) -> None:
+        """What torch does the first time a stream needs this workspace: take it
         from the pool routed, or from torch's own memory."""
-        if self.current_stream in self.workspaces:
+        made = self.workspaces.setdefault(self.current_stream, {})
+        if kind in made:
             return
         if self.routing:
-            address = self.malloc(BLAS_WORKSPACE)
+            address = self.malloc(size)
             self.segment_streams[address] = self.current_stream
         else:
             address = self._next_address
-            self._next_address += BLAS_WORKSPACE + PAGE
+            self._next_address += size + PAGE
             self.outside_segments.append((address, self.current_stream))
-        self.workspaces[self.current_stream] = address
+        made[kind] = address
+
+    def create_blas_workspace(self) -> None:
+        self._workspace("blas", BLAS_WORKSPACE)
+
+    def create_blas_lt_workspace(self) -> None:
+        if self.lt_path:
+            self._workspace("lt", LT_WORKSPACE)
+
+    def create_blas_workspaces(self) -> None:
+        """A warm-up's matmuls on the current stream: both workspaces."""
+        self._workspace("blas", BLAS_WORKSPACE)
+        self._workspace("lt", LT_WORKSPACE)
 
     def release_blas_workspaces(self) -> None:
         """torch._C._cuda_clearCublasWorkspaces: every workspace is freed; one
         in a pool stays cached there, torch's own goes at empty_cache."""
-        for stream, address in self.workspaces.items():
-            if address in self.memory:
-                self.tensor_dies(address)
-            else:
-                self.outside_segments.remove((address, stream))
+        for stream, made in self.workspaces.items():
+            for address in made.values():
+                if address in self.memory:
+                    self.tensor_dies(address)
+                else:
+                    self.outside_segments.remove((address, stream))
         self.workspaces.clear()
         self.blas_releases += 1
 

@@ -1,13 +1,13 @@
 """cuBLAS workspaces (CPU, faked VMM layer): the capture stream's are made in
-the graph pool, and a sleep has torch drop the others only when no graph can be
-using one outside our pools."""
+the graph pool and never backed up, and a sleep has torch drop the others only
+when no graph can be using one outside the graph pool."""
 
 import logging
 from contextlib import contextmanager
 
 import pytest
 
-from tests.unit.fake_vmm import BLAS_WORKSPACE, PAGE, FakeVmmDriver
+from tests.unit.fake_vmm import BLAS_WORKSPACE, LT_WORKSPACE, PAGE, FakeVmmDriver
 from vllm_graph_sleep import config
 from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.patches.distributed_parallel_state import _wrap_graph_capture
@@ -24,59 +24,83 @@ def capture_stream_workspaces(driver, manager):
     """What a graph_capture context does with offload on, then the warm-up."""
     driver.current_stream = CAPTURE_STREAM
     manager.create_blas_workspaces_in_graph_pool()
-    driver.create_blas_workspaces()  # the warm-up's first matmul finds it made
+    driver.create_blas_workspaces()  # the warm-up's matmuls find them made
     driver.current_stream = 0
     driver.create_blas_workspaces()  # eager work on the default stream
     return driver.workspaces[CAPTURE_STREAM]
 
 
-def test_the_capture_stream_workspace_is_made_in_the_graph_pool():
-    driver, manager = make()
-    workspace = capture_stream_workspaces(driver, manager)
-    allocation = manager.allocations[workspace]
-    assert allocation.tag == "cudagraph" and allocation.size == BLAS_WORKSPACE
+def graph_pool_segments(manager):
     with manager.cudagraph_pool() as pool:
-        assert workspace in pool.segments
+        return list(pool.segments)
+
+
+def test_the_capture_stream_workspaces_are_made_in_the_graph_pool():
+    driver, manager = make()
+    made = capture_stream_workspaces(driver, manager)
+    for kind, size in (("blas", BLAS_WORKSPACE), ("lt", LT_WORKSPACE)):
+        allocation = manager.allocations[made[kind]]
+        assert allocation.tag == "cudagraph" and allocation.size >= size
+        assert made[kind] in graph_pool_segments(manager)
     assert not driver.routing  # nothing stays routed afterwards
-    assert [stream for _, stream in driver.outside_segments] == [0]
+    assert [stream for _, stream in driver.outside_segments] == [0, 0]
 
 
-def test_inside_another_pool_the_workspace_still_goes_to_the_graph_pool():
+def test_workspaces_in_the_graph_pool_are_never_backed_up():
+    driver, manager = make(release_blas_workspaces=False)
+    made = capture_stream_workspaces(driver, manager)
+    manager.sleep(offload_tags=("cudagraph",))
+    assert manager.allocations[made["blas"]].backup_bytes() == 0
+    assert manager.host_bytes() == 0
+    manager.wake_up()
+    assert manager.allocations[made["blas"]].mapped  # the graphs' address is back
+
+
+def test_inside_another_pool_the_workspaces_still_go_to_the_graph_pool():
     driver, manager = make()
     with manager.use_memory_pool("weights") as weights:
         driver.current_stream = CAPTURE_STREAM
         manager.create_blas_workspaces_in_graph_pool()
         assert driver.routing == [weights]  # the enclosing pool is routed again
-    assert manager.allocations[driver.workspaces[CAPTURE_STREAM]].tag == "cudagraph"
+    assert manager.allocations[driver.workspaces[CAPTURE_STREAM]["blas"]].tag == "cudagraph"
+
+
+def test_a_failure_leaves_the_capture_to_go_on(caplog):
+    driver, manager = make()
+    driver.current_stream = CAPTURE_STREAM
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory")
+
+    driver.create_blas_workspace = out_of_memory
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        manager.create_blas_workspaces_in_graph_pool()
+    assert "stay outside the graph pool: CUDA out of memory" in caplog.text
+    assert not driver.routing
 
 
 def test_sleep_drops_the_workspaces_and_keeps_the_pool_segment_for_the_graphs(caplog):
     driver, manager = make()
-    workspace = capture_stream_workspaces(driver, manager)
+    made = capture_stream_workspaces(driver, manager)
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("cudagraph",))
     assert driver.blas_releases == 1 and not driver.workspaces
-    assert driver.outside_segments == []  # the default stream's is gone
-    # The graphs still hold the address: it sleeps and wakes with the pool.
-    assert workspace in manager.allocations
+    assert driver.outside_segments == []  # the default stream's are gone
+    # The graphs still hold the addresses: they sleep and wake with the pool.
+    assert made["blas"] in manager.allocations
     manager.wake_up()
-    assert manager.allocations[workspace].mapped
+    assert manager.allocations[made["blas"]].mapped
     assert "cuBLAS workspaces released" in caplog.records[0].getMessage()
 
 
-def test_a_workspace_outside_our_pools_on_another_stream_keeps_them_all(caplog):
+def test_a_live_tensor_later_placed_where_a_released_workspace_was_is_backed_up():
     driver, manager = make()
-    driver.current_stream = CAPTURE_STREAM
-    driver.create_blas_workspaces()  # made by an eager warm-up, outside every pool
-    with manager.cudagraph_pool() as pool, manager._routed_to(pool):
-        driver.malloc(PAGE)  # a graph captured on that stream uses it
-    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
-        manager.sleep(offload_tags=("cudagraph",))
-    assert driver.blas_releases == 0
-    assert driver.workspaces[CAPTURE_STREAM] == driver.outside_segments[0][0]
-    assert "cuBLAS workspaces kept (torch memory outside our pools on 1 non-default stream" in (
-        caplog.records[0].getMessage()
-    )
+    made = capture_stream_workspaces(driver, manager)
+    manager.sleep(offload_tags=("cudagraph",))  # releases them: the block is free
+    manager.wake_up()
+    driver.cached.discard(made["blas"])  # a later capture keeps a tensor there
+    manager.sleep(offload_tags=("cudagraph",))
+    assert manager.allocations[made["blas"]].backup_bytes() == BLAS_WORKSPACE
 
 
 def test_other_memory_a_warm_up_left_on_a_prepared_capture_stream_is_no_workspace():
@@ -88,11 +112,48 @@ def test_other_memory_a_warm_up_left_on_a_prepared_capture_stream_is_no_workspac
     assert driver.blas_releases == 1
 
 
+def test_without_the_cublaslt_workspace_in_the_pool_the_stream_is_not_trusted(caplog):
+    driver, manager = make()
+    driver.lt_path = False  # torch's addmm skips cuBLASLt: only cuBLAS's is made here
+    driver.current_stream = CAPTURE_STREAM
+    manager.create_blas_workspaces_in_graph_pool()
+    driver.lt_path = True
+    driver.create_blas_workspaces()  # the warm-up makes the cuBLASLt one outside
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == 0
+    assert "cuBLAS workspaces kept (torch memory outside the graph pool on 1" in caplog.text
+
+
+def test_a_workspace_outside_our_pools_on_another_stream_keeps_them_all(caplog):
+    driver, manager = make()
+    driver.current_stream = CAPTURE_STREAM
+    driver.create_blas_workspaces()  # made by an eager warm-up, outside every pool
+    with manager.cudagraph_pool() as pool, manager._routed_to(pool):
+        driver.malloc(PAGE)  # a graph captured on that stream uses it
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == 0
+    assert driver.workspaces[CAPTURE_STREAM]["blas"] == driver.outside_segments[0][0]
+
+
+def test_a_workspace_in_another_pool_of_ours_on_a_side_stream_keeps_them_all():
+    """A drafter captured during load_model: its stream's workspace was made
+    inside the weights pool, which frees its segments once they empty."""
+    driver, manager = make()
+    with manager.use_memory_pool("weights") as weights, manager._routed_to(weights):
+        driver.current_stream = CAPTURE_STREAM
+        driver.create_blas_workspaces()
+    driver.current_stream = 0
+    manager.sleep(offload_tags=("cudagraph", "weights"))
+    assert driver.blas_releases == 0
+
+
 def test_a_stream_that_had_its_workspace_outside_before_capture_keeps_them_all():
     driver, manager = make()
     driver.current_stream = CAPTURE_STREAM
     driver.create_blas_workspaces()  # a pooled stream used before, outside every pool
-    manager.create_blas_workspaces_in_graph_pool()  # finds it made: nothing moves
+    manager.create_blas_workspaces_in_graph_pool()  # finds them made: nothing moves
     driver.current_stream = 0
     manager.sleep(offload_tags=("cudagraph",))
     assert driver.blas_releases == 0
@@ -102,10 +163,9 @@ def test_a_next_engine_capturing_on_the_same_stream_gets_workspaces_in_its_own_p
     driver, manager = make()
     first = capture_stream_workspaces(driver, manager)
     manager.release_pools()  # engine shutdown
-    assert first not in manager.allocations  # freed with the dropped pool
+    assert first["blas"] not in manager.allocations  # freed with the dropped pool
     second = capture_stream_workspaces(driver, manager)  # a pooled stream comes back
-    with manager.cudagraph_pool() as pool:
-        assert second in pool.segments
+    assert second["blas"] in graph_pool_segments(manager)
     manager.sleep(offload_tags=("cudagraph",))
     assert driver.blas_releases == 2  # shutdown, then this sleep
 

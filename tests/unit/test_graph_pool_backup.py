@@ -88,3 +88,57 @@ def test_segments_outside_the_graph_pool_are_backed_up_whole():
     assert manager.usage_by_tag()["weights"]["backed_up"] == PAGE
     manager.wake_up()
     assert bool((driver.read(weights) == 3).all())
+
+
+def test_a_segment_holding_only_scratch_has_no_host_buffer_and_comes_back_poisoned(monkeypatch):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH", "1")
+    driver, manager, address = graph_pool_segment()
+    driver.blocks[address] = [(0, PAGE, "inactive")]
+    manager.sleep(offload_tags=("cudagraph",))
+    assert manager.allocations[address].host is None and manager.host_bytes() == 0
+    assert manager.usage_by_tag()["cudagraph"] == {"mapped": 0, "backed_up": 0, "dropped": PAGE}
+    manager.wake_up()
+    assert bool((driver.read(address) == POISON_BYTE).all())
+
+
+def test_zero_on_wake_zeroes_the_scratch_around_a_restored_block():
+    driver, manager, address = graph_pool_segment(zero_on_wake=True)
+    manager.sleep(offload_tags=("cudagraph",))
+    manager.wake_up()
+    memory = driver.read(address)
+    assert bool((memory[AT : AT + LIVE] == 7).all())
+    assert bool((memory[:AT] == 0).all()) and bool((memory[AT + LIVE :] == 0).all())
+
+
+def test_a_failed_sleep_maps_the_live_block_back_intact():
+    driver, manager, address = graph_pool_segment()
+    with manager.allocation_tag("weights"):
+        weights = driver.malloc(PAGE)
+    driver.write(weights, 3)
+    driver.fail("unmap_and_release", after=1)  # the second release fails
+    with pytest.raises(RuntimeError, match="sleep failed after releasing"):
+        manager.sleep(offload_tags=("cudagraph", "weights"))
+    assert bool((driver.read(address)[AT : AT + LIVE] == 7).all())
+    assert bool((driver.read(weights) == 3).all())
+    assert not any(a.has_backup for a in manager.allocations.values())
+
+
+def test_the_wake_line_counts_only_the_restored_bytes(caplog):
+    driver, manager, address = graph_pool_segment()
+    manager.sleep(offload_tags=("cudagraph",))
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.wake_up()
+    line = caplog.records[-1].getMessage()
+    assert "restored from host cudagraph 64.00 KiB" in line
+    assert "remapped without backup cudagraph 1.94 MiB" in line
+
+
+def test_a_host_buffer_far_larger_than_the_backup_is_replaced():
+    driver, manager, address = graph_pool_segment()
+    driver.blocks[address][1] = (AT, 4 * LIVE, "active_allocated")
+    manager.sleep(offload_tags=("cudagraph",))
+    manager.wake_up()
+    assert manager.host_bytes() == 4 * LIVE
+    driver.blocks[address][1] = (AT, LIVE, "active_allocated")
+    manager.sleep(offload_tags=("cudagraph",))
+    assert manager.host_bytes() == LIVE

@@ -215,7 +215,9 @@ def capture_into_graph_pool(alloc, weight, x, with_capture_time_state):
         torch.relu(x @ weight)  # warm up cuBLAS outside capture
     torch.cuda.current_stream().wait_stream(stream)
     bias = None
-    with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id):
+    # Captured on the warmed-up stream, whose cuBLAS workspace torch made outside
+    # every pool (torch.cuda.graph's own side stream would get one in the pool).
+    with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id, stream=stream):
         if with_capture_time_state:
             bias = torch.empty(x.shape[0], weight.shape[1], device=x.device)
         out = torch.relu(x @ weight) * 2
