@@ -19,12 +19,12 @@ started ours first):
 - `register-hugepages`: the same on memory advised to use transparent huge
   pages (fewer pages to lock).
 
-    python benchmarks/pinning.py                       # 12 buffers of 20 MiB, 3 repeats
+    python benchmarks/pinning.py                       # 12 buffers of 20 MiB, 5 repeats
     python benchmarks/pinning.py --sizes-mib 32 2 150 --repeats 5 --out pinning.json
 
 Prints one line `RESULT {json}` per run and the median per mode; `--out` writes
-everything. Exit status: 0 when it ran, 1 when a copy came back wrong, 2
-without a GPU.
+everything. Exit status: 0 when every run completed with the right bytes, 1
+when a run failed (a crash, a time-out, a wrong copy), 2 without a GPU.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ MODES = ("torch-async", "torch-sync", "torch-alloc-first", "register", "register
 
 
 def rotated(modes: tuple[str, ...], repeat: int) -> list[str]:
-    """The modes in the order of repeat `repeat`: each mode takes each place."""
+    """The modes in the order of repeat `repeat`: over as many repeats as there
+    are modes, each mode takes each place once."""
     shift = repeat % len(modes)
     return list(modes[shift:] + modes[:shift])
 
@@ -117,6 +118,7 @@ def child(mode: str, sizes: list[int]) -> dict:
     return {
         "mode": mode,
         "ok": ok,
+        "transparent_hugepages": _transparent_hugepages(),
         "alloc_s": round(alloc_s, 4),
         "total_s": round(total_s, 4),
         "pinned_mib": round(pinned / MIB, 1),
@@ -124,9 +126,21 @@ def child(mode: str, sizes: list[int]) -> dict:
     }
 
 
+def _transparent_hugepages() -> str | None:
+    """The kernel's THP setting ("[madvise]" is what register-hugepages needs)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            return setting.read().strip()
+    except OSError:
+        return None
+
+
 def _run_child(mode: str, sizes_mib: list[float]) -> dict:
     argv = [sys.executable, __file__, "--child", mode, "--sizes-mib", *map(str, sizes_mib)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "ok": False, "error": "ran past 300 s"}
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line.removeprefix("RESULT "))
@@ -137,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[20.0] * 12)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=len(MODES))
     parser.add_argument("--out", help="write the runs and medians here (JSON)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -112,9 +112,11 @@ class VmmDriver:
             if block["state"] != "inactive"
         }
 
-    def torch_segments(self) -> list[tuple[int, int]]:
-        """(address, stream) of every segment torch's allocator holds."""
-        return [(s["address"], s["stream"]) for s in torch.cuda.memory_snapshot()]
+    def torch_segments(self) -> list[tuple[int, int, int]]:
+        """(address, stream, bytes in use) of every segment torch's allocator holds."""
+        return [
+            (s["address"], s["stream"], s["allocated_size"]) for s in torch.cuda.memory_snapshot()
+        ]
 
     def create_blas_workspace(self) -> None:
         # torch makes the cuBLAS workspace of (handle, current stream) when it

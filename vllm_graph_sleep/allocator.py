@@ -188,7 +188,10 @@ class GraphSleepAllocator:
         self._saved_stack: dict[int, int] = {}
         # Streams whose cuBLAS and cuBLASLt workspaces this allocator made in
         # the graph pool, and the (address, bytes) blocks they took there.
-        self._streams_with_workspaces_in_pool: set[int] = set()
+        # A trusted stream maps to what torch held outside the graph pool on it
+        # (segment -> bytes in use) when a sleep first released the workspaces
+        # (None before): growth there later may be a workspace made outside.
+        self._trusted_streams: dict[int, dict[int, int] | None] = {}
         self._workspace_blocks: set[tuple[int, int]] = set()
         # The extension keeps its own references to these bound methods.
         driver.register_callbacks(self._on_malloc, self._on_free)
@@ -295,7 +298,7 @@ class GraphSleepAllocator:
         if self._workspace_blocks:
             outcome = self._release_blas_workspaces()
             logger.debug("graph-sleep: at shutdown, %s", outcome)
-            self._streams_with_workspaces_in_pool.clear()
+            self._trusted_streams.clear()
             self._workspace_blocks.clear()
         self._graph_pool = None
         self._driver.release_cached_memory()
@@ -337,17 +340,22 @@ class GraphSleepAllocator:
 
         A stream that already has a workspace keeps it where it is, and each
         step makes at most its own workspace, so what the pool gained in each
-        step is that workspace. The stream counts as served from the pool (see
-        _release_blas_workspaces) only when both were made here. This is an
-        optimisation: if it fails, the capture goes on with the workspaces
-        where torch puts them."""
+        step is that workspace. The stream is trusted (see
+        _release_blas_workspaces) only when both were made here; a call that
+        makes nothing leaves its trust as it is (vLLM enters the context once
+        per parallel group). This is an optimisation: if it fails, the capture
+        goes on with the workspaces where torch puts them."""
+        made: list[set[tuple[int, int]]] = []
         try:
             with self.graph_pool_without_routing() as pool, self._routed_to(pool):
-                before = self._driver.pool_active_blocks(pool)
-                self._driver.create_blas_workspace()
-                after_blas = self._driver.pool_active_blocks(pool)
-                self._driver.create_blas_lt_workspace()
-                after_lt = self._driver.pool_active_blocks(pool)
+                for create in (
+                    self._driver.create_blas_workspace,
+                    self._driver.create_blas_lt_workspace,
+                ):
+                    before = self._driver.pool_active_blocks(pool)
+                    create()
+                    made.append(self._driver.pool_active_blocks(pool) - before)
+                    self._workspace_blocks |= made[-1]
         except Exception as error:
             logger.warning(
                 "graph-sleep: the capture stream's cuBLAS workspaces stay outside the graph "
@@ -355,10 +363,8 @@ class GraphSleepAllocator:
                 error,
             )
             return
-        made_blas, made_lt = after_blas - before, after_lt - after_blas
-        self._workspace_blocks |= made_blas | made_lt
-        if made_blas and made_lt:
-            self._streams_with_workspaces_in_pool.add(self._driver.current_stream_handle())
+        if all(made):
+            self._trusted_streams[self._driver.current_stream_handle()] = None
 
     def _release_blas_workspaces(self) -> str:
         """Has torch drop every cuBLAS/cuBLASLt workspace it keeps, when no
@@ -375,9 +381,14 @@ class GraphSleepAllocator:
         capturing thread). torch makes a dropped workspace again at the next
         matmul on its stream.
 
-        Not covered: after a release, eager cuBLAS work on such a capture stream
-        followed by a new capture on it that bypasses vLLM's graph_capture;
-        vLLM 0.26 does neither once its graphs are captured."""
+        After a release the workspaces of a trusted stream are gone; eager
+        cuBLAS work on that stream (torch hands stream handles out again) would
+        make new ones outside the pool, which a later capture there would use.
+        So the first release notes what torch held outside the graph pool on
+        each trusted stream, and a later sleep distrusts a stream where that
+        grew (a new segment, or more bytes in use in one). Something else that
+        clears torch's workspaces (torch's CUDA graph trees do, for
+        torch.compile's "reduce-overhead" mode) is not seen here."""
         if not self.release_blas_workspaces:
             return f"cuBLAS workspaces kept ({RELEASE_BLAS_WORKSPACES_ENV}=0)"
         graph_segments = set()
@@ -385,18 +396,24 @@ class GraphSleepAllocator:
             graph_segments = {
                 segment["address"] for segment in self._graph_pool.snapshot(include_traces=False)
             }
-        streams = {
-            stream
-            for address, stream in self._driver.torch_segments()
-            if address not in graph_segments
-        }
-        unsafe = streams - {0} - self._streams_with_workspaces_in_pool
+        outside: dict[int, dict[int, int]] = {}
+        for address, stream, in_use in self._driver.torch_segments():
+            if address not in graph_segments and stream != 0:
+                outside.setdefault(stream, {})[address] = in_use
+        for stream, seen in list(self._trusted_streams.items()):
+            now = outside.get(stream, {})
+            if seen is not None and any(seen.get(a, -1) < b for a, b in now.items()):
+                del self._trusted_streams[stream]
+        unsafe = outside.keys() - self._trusted_streams.keys()
         if unsafe:
             return (
                 "cuBLAS workspaces kept (torch memory outside the graph pool on "
                 f"{len(unsafe)} non-default stream(s))"
             )
         self._driver.release_blas_workspaces()
+        for stream, seen in self._trusted_streams.items():
+            if seen is None:
+                self._trusted_streams[stream] = outside.get(stream, {})
         # Their blocks are free now; a later capture may put a live tensor there.
         self._workspace_blocks.clear()
         return "cuBLAS workspaces released"

@@ -74,7 +74,8 @@ class FakeVmmDriver:
         self.workspaces: dict[int, dict[str, int]] = {}  # stream -> {"blas"|"lt": address}
         self.lt_path = True  # False: torch's addmm skips cuBLASLt (DISABLE_ADDMM_CUDA_LT=1)
         self.segment_streams: dict[int, int] = {}  # our segment -> its stream, if not 0
-        self.outside_segments: list[tuple[int, int]] = []  # torch's own (address, stream)
+        # torch's own segments: (address, stream, bytes in use)
+        self.outside_segments: list[tuple[int, int, int]] = []
         self.blas_releases = 0
         # segment -> [(offset, bytes, state)] torch's blocks there, where a test says
         self.blocks: dict[int, list[tuple[int, int, str]]] = {}
@@ -148,10 +149,16 @@ class FakeVmmDriver:
             if block["state"] != "inactive"
         }
 
-    def torch_segments(self) -> list[tuple[int, int]]:
-        """(address, stream) of torch's segments: ours, then torch's own."""
-        ours = [(address, self.segment_streams.get(address, 0)) for address in self.memory]
+    def torch_segments(self) -> list[tuple[int, int, int]]:
+        """(address, stream, bytes in use) of torch's segments: ours, then torch's own."""
+        ours = [
+            (address, self.segment_streams.get(address, 0), self._in_use(address))
+            for address in self.memory
+        ]
         return ours + list(self.outside_segments)
+
+    def _in_use(self, address: int) -> int:
+        return 0 if address in self.cached else self.memory[address].numel()
 
     def _workspace(self, kind: str, size: int) -> None:
         """What torch does the first time a stream needs this workspace: take it
@@ -165,7 +172,7 @@ class FakeVmmDriver:
         else:
             address = self._next_address
             self._next_address += size + PAGE
-            self.outside_segments.append((address, self.current_stream))
+            self.outside_segments.append((address, self.current_stream, size))
         made[kind] = address
 
     def create_blas_workspace(self) -> None:
@@ -183,12 +190,12 @@ class FakeVmmDriver:
     def release_blas_workspaces(self) -> None:
         """torch._C._cuda_clearCublasWorkspaces: every workspace is freed; one
         in a pool stays cached there, torch's own goes at empty_cache."""
-        for stream, made in self.workspaces.items():
+        for made in self.workspaces.values():
             for address in made.values():
                 if address in self.memory:
                     self.tensor_dies(address)
                 else:
-                    self.outside_segments.remove((address, stream))
+                    self.outside_segments = [s for s in self.outside_segments if s[0] != address]
         self.workspaces.clear()
         self.blas_releases += 1
 

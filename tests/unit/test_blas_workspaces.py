@@ -43,7 +43,7 @@ def test_the_capture_stream_workspaces_are_made_in_the_graph_pool():
         assert allocation.tag == "cudagraph" and allocation.size >= size
         assert made[kind] in graph_pool_segments(manager)
     assert not driver.routing  # nothing stays routed afterwards
-    assert [stream for _, stream in driver.outside_segments] == [0, 0]
+    assert [stream for _, stream, _ in driver.outside_segments] == [0, 0]
 
 
 def test_workspaces_in_the_graph_pool_are_never_backed_up():
@@ -107,7 +107,7 @@ def test_other_memory_a_warm_up_left_on_a_prepared_capture_stream_is_no_workspac
     driver, manager = make()
     capture_stream_workspaces(driver, manager)
     # The H200 run: 1 MiB of something else the warm-up made on that stream.
-    driver.outside_segments.append((0x1234000, CAPTURE_STREAM))
+    driver.outside_segments.append((0x1234000, CAPTURE_STREAM, LT_WORKSPACE + 1024))
     manager.sleep(offload_tags=("cudagraph",))
     assert driver.blas_releases == 1
 
@@ -168,6 +168,41 @@ def test_a_next_engine_capturing_on_the_same_stream_gets_workspaces_in_its_own_p
     assert second["blas"] in graph_pool_segments(manager)
     manager.sleep(offload_tags=("cudagraph",))
     assert driver.blas_releases == 2  # shutdown, then this sleep
+
+
+def test_a_trusted_stream_where_torch_later_made_more_outside_is_no_longer_trusted():
+    """After a release, eager cuBLAS work on the capture stream (torch hands
+    stream handles out again) makes its workspaces outside the pool; a capture
+    there would use them, so they must not be freed at the next sleep."""
+    driver, manager = make()
+    capture_stream_workspaces(driver, manager)
+    driver.outside_segments.append((0x1234000, CAPTURE_STREAM, LT_WORKSPACE + 1024))
+    manager.sleep(offload_tags=("cudagraph",))
+    manager.wake_up()
+    assert driver.blas_releases == 1
+    manager.sleep(offload_tags=("cudagraph",))  # nothing new there: released again
+    manager.wake_up()
+    assert driver.blas_releases == 2
+    driver.current_stream = CAPTURE_STREAM
+    driver.create_blas_workspaces()  # eager work: new workspaces, outside the pool
+    manager.create_blas_workspaces_in_graph_pool()  # a new capture finds them made
+    driver.current_stream = 0
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == 2
+
+
+def test_a_failure_after_the_cublas_step_still_keeps_its_block_out_of_the_backup():
+    driver, manager = make(release_blas_workspaces=False)
+    driver.current_stream = CAPTURE_STREAM
+
+    def out_of_memory():
+        raise RuntimeError("CUDA out of memory")
+
+    driver.create_blas_lt_workspace = out_of_memory
+    manager.create_blas_workspaces_in_graph_pool()
+    made = driver.workspaces[CAPTURE_STREAM]["blas"]
+    manager.sleep(offload_tags=("cudagraph",))
+    assert manager.allocations[made].backup_bytes() == 0
 
 
 def test_the_workspaces_are_kept_when_switched_off(monkeypatch):
