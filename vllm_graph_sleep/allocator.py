@@ -187,10 +187,10 @@ class GraphSleepAllocator:
         # device -> the stack limit a wake puts back (only while it is lowered)
         self._saved_stack: dict[int, int] = {}
         # Streams whose cuBLAS and cuBLASLt workspaces this allocator made in
-        # the graph pool, and the (address, bytes) blocks they took there.
-        # A trusted stream maps to what torch held outside the graph pool on it
-        # (segment -> bytes in use) when a sleep first released the workspaces
-        # (None before): growth there later may be a workspace made outside.
+        # the graph pool, each mapped to what torch held outside the graph pool
+        # on it (segment -> bytes in use) when a sleep first released the
+        # workspaces (None before): growth there later may be a workspace made
+        # outside. And the (address, bytes) blocks those workspaces took.
         self._trusted_streams: dict[int, dict[int, int] | None] = {}
         self._workspace_blocks: set[tuple[int, int]] = set()
         # The extension keeps its own references to these bound methods.
@@ -621,8 +621,6 @@ class GraphSleepAllocator:
             return {}
         live = {}
         for segment in self._graph_pool.snapshot(include_traces=False):
-            if "blocks" not in segment:
-                continue
             base = segment["address"]
             live[base] = [
                 (block["address"] - base, block["size"])

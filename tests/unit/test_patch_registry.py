@@ -91,18 +91,24 @@ print("REPORT " + json.dumps(report))
 """
 
 
+def _report_of(program: str) -> dict:
+    """Runs `program` in a fresh process as vLLM would load the plugin there and
+    returns the JSON it prints after "REPORT "."""
+    env = {**os.environ, "VLLM_PLUGINS": "graph_sleep", "VLLM_LOGGING_LEVEL": "ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
+    return json.loads(line.removeprefix("REPORT "))
+
+
 def test_each_process_patches_only_what_it_imports():
     """In a fresh process, as vLLM loads it: the plugin imports none of the vLLM
     modules it patches except the one already there, and a worker module
     imported later comes back patched."""
-    env = {**os.environ, "VLLM_PLUGINS": "graph_sleep", "VLLM_LOGGING_LEVEL": "ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _PROCESS], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
-    report = json.loads(line.removeprefix("REPORT "))
+    report = _report_of(_PROCESS)
     # arg_utils brings parallel_state with it; the plugin adds none.
     assert report["imported_before_load"] == [
         "vllm.distributed.parallel_state",
@@ -150,11 +156,4 @@ def test_an_import_hook_that_searches_again_still_gets_a_patched_module():
     """Another finder that re-enters the import system for a module we wait for
     (found by a profiling hook: our finder raised KeyError and the engine did
     not start) gets the module patched once."""
-    env = {**os.environ, "VLLM_PLUGINS": "graph_sleep", "VLLM_LOGGING_LEVEL": "ERROR"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _NESTED_FINDER], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("REPORT "))
-    assert json.loads(line.removeprefix("REPORT ")) == {"nested_search_ran": True, "patched": True}
+    assert _report_of(_NESTED_FINDER) == {"nested_search_ran": True, "patched": True}
