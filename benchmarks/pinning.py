@@ -17,7 +17,11 @@ started ours first):
 - `register`: exact-size pageable memory registered with cudaHostRegister (no
   rounding up);
 - `register-hugepages`: the same on memory advised to use transparent huge
-  pages (fewer pages to lock).
+  pages (fewer pages to lock);
+- `register-prefault`: exact-size pageable memory whose pages torch's CPU
+  threads fault in first (a parallel fill), then registered: whether the
+  kernel's page faults, made by one thread inside the driver's call, are the
+  cost.
 
     python benchmarks/pinning.py                       # 12 buffers of 20 MiB, 5 repeats
     python benchmarks/pinning.py --sizes-mib 32 2 150 --repeats 5 --out pinning.json
@@ -38,7 +42,14 @@ import sys
 import time
 
 MIB = 1 << 20
-MODES = ("torch-async", "torch-sync", "torch-alloc-first", "register", "register-hugepages")
+MODES = (
+    "torch-async",
+    "torch-sync",
+    "torch-alloc-first",
+    "register",
+    "register-hugepages",
+    "register-prefault",
+)
 
 
 def rotated(modes: tuple[str, ...], repeat: int) -> list[str]:
@@ -61,13 +72,15 @@ def medians(runs: list[dict]) -> dict[str, dict[str, float]]:
     return summary
 
 
-def _registered(size: int, huge_pages: bool, keep: list):
+def _registered(size: int, mode: str, keep: list):
     import torch
 
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if huge_pages:
+    if mode == "register-hugepages":
         buffer.madvise(mmap.MADV_HUGEPAGE)
     host = torch.frombuffer(buffer, dtype=torch.uint8)
+    if mode == "register-prefault":
+        host.fill_(0)
     error = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), size, 0)
     if int(error) != 0:
         raise RuntimeError(f"cudaHostRegister failed: error {int(error)}")
@@ -97,7 +110,7 @@ def child(mode: str, sizes: list[int]) -> dict:
         for data in device:
             begin = time.perf_counter()
             if mode.startswith("register"):
-                host = _registered(data.numel(), mode.endswith("hugepages"), keep)
+                host = _registered(data.numel(), mode, keep)
             else:
                 host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
             alloc_s += time.perf_counter() - begin
