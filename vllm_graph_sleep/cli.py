@@ -142,6 +142,15 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "the first start (default %(default)s)",
     )
     parser.add_argument(
+        "--start-rounds",
+        type=_non_negative_int,
+        default=BenchSettings.start_rounds,
+        metavar="N",
+        help="after every configuration ran, start each configuration's server N more times "
+        "to /health and stop it, the order rotated each round, and report the median start "
+        "and engine core init of each (default %(default)s)",
+    )
+    parser.add_argument(
         "--floor",
         action=argparse.BooleanOptionalAction,
         default=BenchSettings.floor,
@@ -209,6 +218,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         decode_tokens=args.decode_tokens,
         start_timeout=args.start_timeout,
         warm_starts=args.warm_starts,
+        start_rounds=args.start_rounds,
         floor=args.floor,
         serve_args=tuple(shlex.split(args.serve_args)),
         out=args.out,

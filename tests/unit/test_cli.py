@@ -54,6 +54,7 @@ def test_bench_defaults():
     assert s.configs == ("ours", "stock_graphs", "stock_eager")
     assert s.out is None and s.serve_args == ()
     assert s.warm_starts == 2  # both of vLLM's Triton caches are warm when measured
+    assert s.start_rounds == 0
     assert s.floor is True
 
 
@@ -105,6 +106,7 @@ def test_bench_lists_take_commas_and_spaces_keep_order_and_drop_repeats(tmp_path
         (["--tp", "0"], "must be at least 1"),
         (["--cycles", "0"], "must be at least 1"),
         (["--warm-starts", "-1"], "must be 0 or more"),
+        (["--start-rounds", "-2"], "must be 0 or more"),
         (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--model-kind", "gpt"], "invalid choice"),
     ],
@@ -548,6 +550,49 @@ def test_bench_without_warm_starts_measures_the_first_start(fake_bench, capsys):
     (record,) = json.loads((out / "results.json").read_text())["configs"]
     assert record["warm_up_start_s"] == []
     assert not list(out.glob("*.warm-start-*"))
+
+
+def test_bench_start_rounds_alternate_and_report_medians(fake_bench, capsys):
+    argv, out = fake_bench
+    argv += ["--configs", "ours", "stock_graphs", "--levels", "1", "--no-floor"]
+    assert cli.main([*argv, "--warm-starts", "0", "--start-rounds", "2"]) == 0
+    table = capsys.readouterr().out
+    rounds = json.loads((out / "results.json").read_text())["start_rounds"]
+    # Every configuration takes every place: the order turns from round to round.
+    assert [(e["round"], e["config"]) for e in rounds] == [
+        (1, "ours"),
+        (1, "stock_graphs"),
+        (2, "stock_graphs"),
+        (2, "ours"),
+    ]
+    assert all(e["start_s"] > 0 and e["engine_init"]["engine_init_s"] == 6.5 for e in rounds)
+    assert (out / "stock_graphs.start-round-2.server.log").is_file()
+    assert "engine start, median of 2 alternating (s)" in table
+    assert "engine core init, median of 2 alternating (s)" in table
+
+
+def test_bench_start_round_that_fails_is_recorded_and_reported(fake_bench, monkeypatch, capsys):
+    argv, out = fake_bench
+    healthy_once = runner.real_command
+
+    def fails_in_the_rounds(name, model_dir, port, settings):
+        if (out / "ours.server.log").is_file():  # the configuration's own run is over
+            return [sys.executable, "-c", "import sys; sys.exit(5)"]
+        return healthy_once(name, model_dir, port, settings)
+
+    monkeypatch.setattr(runner, "real_command", fails_in_the_rounds)
+    argv += ["--configs", "ours", "--levels", "1", "--no-floor", "--warm-starts", "0"]
+    assert cli.main([*argv, "--start-rounds", "1"]) == cli.EXIT_FAILED
+    assert "[ours] vllm serve exited with code 5 before it was healthy" in _one_line_failure(capsys)
+    (entry,) = json.loads((out / "results.json").read_text())["start_rounds"]
+    assert entry["config"] == "ours" and "exited with code 5" in entry["error"]
+
+
+def test_bench_without_start_rounds_shows_no_alternating_rows(fake_bench, capsys):
+    argv, out = fake_bench
+    assert cli.main([*argv, "--configs", "ours", "--levels", "1", "--no-floor"]) == 0
+    assert "alternating" not in capsys.readouterr().out
+    assert "start_rounds" not in json.loads((out / "results.json").read_text())
 
 
 def _one_line_failure(capsys) -> str:

@@ -127,7 +127,26 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize_all(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {r["config"]: summarize(r) for r in results.get("configs", [])}
+    summaries = {r["config"]: summarize(r) for r in results.get("configs", [])}
+    for name, summary in summaries.items():
+        summary["start_rounds"] = _start_rounds(results, name)
+    return summaries
+
+
+def _start_rounds(results: dict[str, Any], name: str) -> dict[str, Any]:
+    """Medians of the alternating starts of `name` that reached /health
+    (bench/start_rounds.py), and how many there were."""
+    done = [
+        entry
+        for entry in results.get("start_rounds") or []
+        if entry["config"] == name and "start_s" in entry
+    ]
+    inits = [(entry.get("engine_init") or {}).get("engine_init_s") for entry in done]
+    return {
+        "count": len(done),
+        "start_s": _median([entry["start_s"] for entry in done]),
+        "engine_init_s": _median(inits),
+    }
 
 
 def baseline_of(names: list[str]) -> str | None:
@@ -160,6 +179,7 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
     levels = sorted({k for s in summaries.values() for k in s.get("asleep_mib", {})})
     wakes = sorted({k for s in summaries.values() for k in s.get("wake_ms", {})})
     tags = sorted({t for s in summaries.values() for t in s.get("tags_awake_mib", {})})
+    rounds = max((s.get("start_rounds", {}).get("count", 0) for s in summaries.values()), default=0)
 
     def per_gpu(label: str, *path: Any) -> list[tuple[str, Getter, str]]:
         if gpus == 1:
@@ -171,6 +191,16 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
         ("engine start, first of the run (s)", _get("first_start_s"), "{:.1f}"),
         ("engine core init, vLLM's log (s)", _get("engine_init", "engine_init_s"), "{:.2f}"),
         ("  of which torch.compile (s)", _get("engine_init", "compile_s"), "{:.2f}"),
+        (
+            f"engine start, median of {rounds} alternating (s)",
+            _get("start_rounds", "start_s"),
+            "{:.1f}",
+        ),
+        (
+            f"engine core init, median of {rounds} alternating (s)",
+            _get("start_rounds", "engine_init_s"),
+            "{:.2f}",
+        ),
     ]
     rows += per_gpu("awake, over idle GPU (MiB)", "awake_mib")
     for level in levels:
@@ -277,7 +307,7 @@ def format_table(results: dict[str, Any]) -> str:
         out.append(line)
     ledger_lines = ledger_table.rows(summaries)
     if ledger_lines:
-        out += ["", *_aligned(header, ledger_lines), ledger_table.NOTE]
+        out += ["", *_aligned(header, ledger_lines), ledger_table.note(ledger_lines)]
     return "\n".join(out)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_graph_sleep.bench import floor
+from vllm_graph_sleep.bench import floor, start_rounds
 from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.gpu import MemorySource
 from vllm_graph_sleep.bench.report import SCHEMA, floor_line, format_table, write_json
@@ -175,6 +175,16 @@ def run(
             raise
         results["configs"].append(record)
         write_json(results, out / RESULTS_JSON)
+    if settings.start_rounds:
+        start_rounds.run_rounds(
+            results,
+            settings,
+            command_for,
+            env,
+            memory,
+            progress,
+            save=lambda: write_json(results, out / RESULTS_JSON),
+        )
     return results
 
 

@@ -48,6 +48,10 @@ class BenchSettings:
     # start and the next configuration found them: that was the +17 % start of
     # issue 16 (the bench's Triton compile log, 2026-12-01).
     warm_starts: int = 2
+    # After every configuration ran, start each this many more times to /health,
+    # in alternating order (bench/start_rounds.py): a start comparison of a few
+    # percent needs more than one start per configuration.
+    start_rounds: int = 0
     # Measure the floor (bench/floor.py) before the first server starts.
     floor: bool = True
     request_timeout: float = 300.0
