@@ -604,7 +604,7 @@ def is_bench_run(data: Any) -> bool:
 
 def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
     # The same rows, labels and ratios as `vllm-graph-sleep bench` prints.
-    from vllm_graph_sleep.bench.ledger_table import NOTE as LEDGER_NOTE
+    from vllm_graph_sleep.bench.ledger_table import note as ledger_note
     from vllm_graph_sleep.bench.report import (
         CONFIG_LABELS,
         RATIO_NOTE,
@@ -643,7 +643,12 @@ def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
         lines += ["", f"The run's {floor}."]
     _, ledger_lines = ledger_rows(data)
     if ledger_lines:
-        lines += ["", LEDGER_NOTE, "", *table(["", *[code(c) for c in names]], ledger_lines)]
+        lines += [
+            "",
+            ledger_note(ledger_lines),
+            "",
+            *table(["", *[code(c) for c in names]], ledger_lines),
+        ]
     plot = f"{Path(name).stem}.png"
     lines += ["", f"![GPU memory through the cycles]({plot})"]
     return Section(title, name, lines, "cuda" if host.get("gpus") else None)

@@ -5,8 +5,12 @@ Each field's meaning and how it is obtained: vllm_graph_sleep.ledger_fields.
 
 from __future__ import annotations
 
+import functools
+import heapq
+import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +27,10 @@ NCCL_ASSUMED_CHANNELS = 32
 # Hopper on, ":4096:2:16:8" before.
 CUBLAS_WORKSPACE_HOPPER = 4096 * 8 * 1024
 CUBLAS_WORKSPACE_OLDER = 4096 * 1024 * 2 + 16 * 1024 * 8
+#: How many of torch's largest live blocks outside the sleep pools the ledger lists.
+LARGEST_BLOCKS = 8
+VLLM_WORKSPACE_MODULE = "vllm.v1.worker.workspace"
+VLLM_TORCH_UTILS_MODULE = "vllm.utils.torch_utils"
 
 
 def workspace_config_bytes(config: str) -> int | None:
@@ -103,6 +111,11 @@ def _torch_outside_pools(segments: list[dict[str, Any]]) -> int:
     return sum(segment["total_size"] for segment in _segments_outside_pools(segments))
 
 
+def stream_key(handle: int) -> str:
+    """How the ledger writes a CUDA stream: its handle in hex ("0x0": the default stream)."""
+    return hex(handle)
+
+
 def torch_outside_pools_by_stream(segments: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """Where torch's memory outside the sleep pools sits: per stream its segments
     were made for ("0x0": the default stream), bytes reserved and in use, and how
@@ -111,12 +124,115 @@ def torch_outside_pools_by_stream(segments: list[dict[str, Any]]) -> dict[str, d
     streams: dict[str, dict[str, int]] = {}
     for segment in _segments_outside_pools(segments):
         entry = streams.setdefault(
-            hex(segment.get("stream", 0)), {"reserved": 0, "allocated": 0, "segments": 0}
+            stream_key(segment.get("stream", 0)), {"reserved": 0, "allocated": 0, "segments": 0}
         )
         entry["reserved"] += segment["total_size"]
         entry["allocated"] += segment.get("allocated_size", 0)
         entry["segments"] += 1
     return dict(sorted(streams.items(), key=lambda item: -item[1]["reserved"]))
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def vllm_attribute(module: str, path: str) -> Any:
+    """vLLM's `module` and then its dotted attribute `path`; None where an object on
+    the way is None (not made yet). These are private and move between vLLM
+    releases, so one that is missing raises LookupError naming it and the version."""
+    try:
+        value: Any = importlib.import_module(module)
+    except ImportError:
+        raise LookupError(f"vLLM {_vllm_version()} has no {module}") from None
+    walked = module
+    for name in path.split("."):
+        if value is None:
+            return None
+        walked += f".{name}"
+        if not hasattr(value, name):
+            raise LookupError(f"vLLM {_vllm_version()} has no {walked}")
+        value = getattr(value, name)
+    return value
+
+
+def vllm_workspace_buffers() -> dict[int, Any]:
+    """ubatch -> the buffer vLLM's WorkspaceManager keeps for it (the scratch its
+    fused-MoE kernels and attention backends share; it grows and is never given
+    back); none before the manager is made."""
+    buffers = vllm_attribute(VLLM_WORKSPACE_MODULE, "_manager._current_workspaces") or []
+    return {ubatch: buffer for ubatch, buffer in enumerate(buffers) if buffer is not None}
+
+
+def _in_segments(address: int, segments: list[dict[str, Any]]) -> bool:
+    return any(s["address"] <= address < s["address"] + s["total_size"] for s in segments)
+
+
+def vllm_workspace_bytes(
+    buffers: dict[int, Any], segments: list[dict[str, Any]]
+) -> tuple[int, int]:
+    """(bytes of vLLM's workspace buffers, the part of them in torch's segments
+    outside the sleep pools, which no sleep releases)."""
+    outside = _segments_outside_pools(segments)
+    return (
+        sum(buffer.nbytes for buffer in buffers.values()),
+        sum(b.nbytes for b in buffers.values() if _in_segments(b.data_ptr(), outside)),
+    )
+
+
+def _vllm_aux_stream() -> str | None:
+    stream = vllm_attribute(VLLM_TORCH_UTILS_MODULE, "_aux_stream")
+    return None if stream is None else stream_key(stream.cuda_stream)
+
+
+@dataclass(frozen=True)
+class KnownMemory:
+    """What the ledger can name among torch's blocks: vLLM's workspace buffers
+    (ubatch -> buffer) by address, a cuBLAS workspace only by its size (torch
+    does not expose their addresses, so any block of that size matches), and
+    streams by their key (stream_key -> name)."""
+
+    workspace_buffers: dict[int, Any]
+    cublas_workspace_size: int | None
+    streams: dict[str, str]
+
+    def what(self, address: int, size: int, stream: str) -> str | None:
+        names = [
+            f"vLLM workspace buffer of ubatch {ubatch}"
+            for ubatch, buffer in self.workspace_buffers.items()
+            if address <= buffer.data_ptr() < address + size
+        ]
+        if not names and size == self.cublas_workspace_size:
+            names.append("a cuBLAS workspace's size")
+        if stream in self.streams:
+            names.append(f"on {self.streams[stream]}")
+        return ", ".join(names) or None
+
+
+def torch_outside_pools_largest_blocks(
+    segments: list[dict[str, Any]], known: KnownMemory
+) -> list[dict[str, Any]]:
+    """The LARGEST_BLOCKS largest live tensors' blocks in torch's segments outside
+    the sleep pools, largest first: bytes, stream (keyed as in
+    torch_outside_pools_by_stream) and, where `known` names it, what it is."""
+    blocks = [
+        (block["size"], block["address"], stream_key(segment.get("stream", 0)))
+        for segment in _segments_outside_pools(segments)
+        for block in segment.get("blocks", [])
+        # Allocated as segment["allocated_size"] counts it: freed blocks that
+        # still wait for another stream are not a live tensor.
+        if block["state"] == "active_allocated"
+    ]
+    largest = heapq.nlargest(LARGEST_BLOCKS, blocks, key=lambda block: block[0])
+    return [
+        _described(size, stream, known.what(address, size, stream))
+        for size, address, stream in largest
+    ]
+
+
+def _described(size: int, stream: str, what: str | None) -> dict[str, Any]:
+    return {"size": size, "stream": stream} | ({} if what is None else {"what": what})
 
 
 def _graphs() -> int:
@@ -125,16 +241,22 @@ def _graphs() -> int:
     return cudagraphs_captured()
 
 
-def _guarded(unavailable: dict[str, str], name: str, read: Callable[[], Any]) -> Any:
+def _guarded(
+    unavailable: dict[str, str],
+    name: str,
+    read: Callable[[], Any],
+    why_none: str = "the driver library is absent or did not answer",
+) -> Any:
     """`read()`, or None with the reason in `unavailable`: a figure that cannot
-    be had must not take the report down."""
+    be had must not take the report down; `why_none` is the reason when `read()`
+    answers None."""
     try:
         value = read()
     except Exception as error:
         unavailable[name] = f"{type(error).__name__}: {error}"
         return None
     if value is None and name not in unavailable:
-        unavailable[name] = "the driver library is absent or did not answer"
+        unavailable[name] = why_none
     return value
 
 
@@ -145,6 +267,49 @@ def _stack_reservation(limit: int | None, threads: int | None) -> tuple[int | No
     if limit is None or threads is None:
         return None, "needs the stack limit and the resident threads"
     return limit * threads, ""
+
+
+def _what_torch_holds(
+    device: int,
+    segments: list[dict[str, Any]],
+    cublas_size: int | None,
+    unavailable: dict[str, str],
+) -> dict[str, Any]:
+    """The ledger's fields that name memory inside torch's: vLLM's workspace, the
+    streams it can name, and torch's largest blocks outside the sleep pools."""
+    get = functools.partial(_guarded, unavailable)
+    fields: dict[str, Any] = {
+        "current_stream": get(
+            "current_stream", lambda: stream_key(torch.cuda.current_stream(device).cuda_stream)
+        ),
+        "vllm_aux_stream": get(
+            "vllm_aux_stream",
+            _vllm_aux_stream,
+            why_none=f"vLLM made no aux stream in this process ({VLLM_TORCH_UTILS_MODULE}."
+            "_aux_stream is None; MoE layers make it to overlap their shared experts)",
+        ),
+    }
+    buffers = get("vllm_workspace", vllm_workspace_buffers)
+    sizes = None
+    if buffers is not None:
+        sizes = get("vllm_workspace", lambda: vllm_workspace_bytes(buffers, segments))
+    fields["vllm_workspace"], fields["vllm_workspace_outside_pools"] = sizes or (None, None)
+    if sizes is None:
+        unavailable["vllm_workspace_outside_pools"] = unavailable["vllm_workspace"]
+    streams = {
+        key: name
+        for key, name in (
+            (fields["current_stream"], "the current stream"),
+            (fields["vllm_aux_stream"], "vLLM's aux stream"),
+        )
+        if key is not None
+    }
+    known = KnownMemory(buffers or {}, cublas_size, streams)
+    fields["torch_outside_pools_largest_blocks"] = get(
+        "torch_outside_pools_largest_blocks",
+        lambda: torch_outside_pools_largest_blocks(segments, known),
+    )
+    return fields
 
 
 def ledger(device: int, segments: list[dict[str, Any]]) -> dict[str, Any]:
@@ -197,6 +362,7 @@ def ledger(device: int, segments: list[dict[str, Any]]) -> dict[str, Any]:
             unavailable.setdefault(name, how)
         else:
             estimated[name] = how
+    fields.update(_what_torch_holds(device, segments, fields["cublas_workspaces"], unavailable))
     fields["attributed"], fields["unattributed"] = balance(fields)
     fields["estimated"] = estimated
     fields["unavailable"] = unavailable

@@ -30,6 +30,14 @@ cublas_workspaces             no      ESTIMATE: one cuBLAS workspace of torch's 
                                       shares it on CUDA); torch takes one per (handle, stream)
                                       from its caching allocator, so it is already inside
                                       torch_reserved_outside_pools or a sleep pool
+vllm_workspace                no      bytes of vLLM's WorkspaceManager buffers (one per ubatch,
+                                      grown on demand, shared by fused-MoE kernels and
+                                      attention backends), read from
+                                      vllm.v1.worker.workspace._manager; 0 before it is made;
+                                      torch's memory, so inside torch_reserved_outside_pools or a
+                                      sleep pool
+vllm_workspace_outside_pools  no      the part of vllm_workspace in torch's segments that no
+                                      sleep-mode allocator made: what a sleep leaves of it
 instantiated_graphs           no      a count: graphs vLLM captured (its compilation counter);
                                       the driver's memory for them is in unattributed
 cuda_modules                  no      a count, None: no driver call counts a context's modules
@@ -37,6 +45,19 @@ torch_outside_pools_by_stream no      torch_reserved_outside_pools split by the 
                                       was made for ("0x0": default), with bytes in use and the
                                       segment count; JSON only (a capture stream's cuBLAS
                                       workspace shows up here)
+torch_outside_pools_largest_blocks
+                              no      the 8 largest allocated blocks (live tensors) of those
+                                      segments, largest first: size, stream (as above) and a
+                                      "what" where recognised: a vLLM workspace buffer by
+                                      address, "a cuBLAS workspace's size" by size only (torch
+                                      does not expose their addresses), the current or vLLM's
+                                      aux stream; JSON only
+current_stream                no      the probe thread's current stream, keyed as above: vLLM
+                                      makes its own stream current on the thread that runs the
+                                      model, which is the one its collective_rpc runs the probe on
+vllm_aux_stream               no      vLLM's aux stream (vllm.utils.torch_utils._aux_stream,
+                                      made for MoE shared-expert overlap), keyed as above; None
+                                      where it was not made
 attributed                    -       the sum of the summed fields that are known
 unattributed                  -       nvml_used - attributed: the context, loaded modules, graph
                                       executables and whatever else no field names
@@ -57,7 +78,13 @@ SUMMED = (
     "nccl_buffers",
 )
 #: Shown beside them, never added: counts, and bytes already inside a summed field.
-INFORMATIVE = ("cublas_workspaces", "instantiated_graphs", "cuda_modules")
+INFORMATIVE = (
+    "cublas_workspaces",
+    "vllm_workspace",
+    "vllm_workspace_outside_pools",
+    "instantiated_graphs",
+    "cuda_modules",
+)
 #: Fields that count things rather than bytes.
 COUNTS = ("instantiated_graphs", "cuda_modules")
 

@@ -199,14 +199,19 @@ def recorded() -> dict:
     return report.read_json(FIXTURE)
 
 
+def row_cells(table: str, label: str) -> list[str]:
+    """The cells after `label` in the printed table's row of that label."""
+    row = next(line for line in table.splitlines() if line.startswith(label))
+    return row[len(label) :].split()
+
+
 def test_ledger_rows_side_by_side_for_three_configs(recorded):
     table = report.format_table(recorded)
     assert ledger_table.NOTE in table
-    lines = table.splitlines()
+    assert ledger_table.WORKSPACE_NOTE not in table  # no workspace rows in these results
 
     def cells(label: str) -> list[str]:
-        row = next(line for line in lines if line.startswith(label))
-        return row[len(label) :].split()
+        return row_cells(table, label)
 
     assert cells("asleep L1: stack reservation (MiB)") == ["0", "264", "264"]
     assert cells("asleep L1: torch reserved outside pools (MiB)") == ["20", "170", "20"]
@@ -280,3 +285,165 @@ def test_torch_memory_outside_the_pools_by_stream(faked_worker, monkeypatch):
     }
     # Detail only: the summed field is the same memory, counted once.
     assert "torch_outside_pools_by_stream" not in ledger_fields.SUMMED
+
+
+# -- what torch holds outside the pools ---------------------------------------------
+
+AUX, CURRENT = 0x7F, 0x5A  # stream handles
+
+
+class FakeBuffer:
+    """A WorkspaceManager buffer: where it starts and its bytes, as a tensor says."""
+
+    def __init__(self, address: int, nbytes: int):
+        self.address = address
+        self.nbytes = nbytes
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def block(address: int, size: int, state: str = "active_allocated") -> dict:
+    return {"address": address, "size": size, "state": state}
+
+
+def segment(address: int, stream: int, *blocks: dict) -> dict:
+    total = sum(b["size"] for b in blocks)
+    allocated = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+    return {
+        "address": address,
+        "total_size": total,
+        "allocated_size": allocated,
+        "stream": stream,
+        "blocks": list(blocks),
+    }
+
+
+@pytest.fixture
+def vllm_workspace(faked_worker, monkeypatch):
+    """vLLM's WorkspaceManager with a buffer per ubatch (the second unused), its
+    aux stream, and the probe thread's current stream; one sleep pool segment."""
+    from vllm.utils import torch_utils
+    from vllm.v1.worker import workspace
+
+    from vllm_graph_sleep import probe
+
+    buffers = [FakeBuffer(0x10_0000, 6 * MiB), None, FakeBuffer(0x1_0000_0000, 3 * MiB)]
+    manager = types.SimpleNamespace(_current_workspaces=buffers)
+    monkeypatch.setattr(workspace, "_manager", manager)
+    monkeypatch.setattr(torch_utils, "_aux_stream", types.SimpleNamespace(cuda_stream=AUX))
+    current = types.SimpleNamespace(cuda_stream=CURRENT)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(probe, "sleep_allocator_addresses", lambda: {0x1_0000_0000})
+    return manager
+
+
+def held_segments() -> list[dict]:
+    """torch's segments: the buffer of ubatch 2 in a sleep pool's segment, that of
+    ubatch 0 outside (in a block a little larger), a 32 MiB block on each of the
+    current and the aux stream, ten small live tensors, and a freed block and a
+    block freed while another stream still used it, both larger than any live one."""
+    small = [block(0x4000_0000 + i * MiB, (i + 1) * 64 * 1024) for i in range(10)]
+    return [
+        segment(0x1_0000_0000, 0, block(0x1_0000_0000, 4 * MiB)),
+        segment(
+            0x10_0000, 0, block(0x10_0000, 6 * MiB + 512), block(0x70_0000, 99 * MiB, "inactive")
+        ),
+        segment(0x2000_0000, CURRENT, block(0x2000_0000, 32 * MiB)),
+        segment(0x3000_0000, AUX, block(0x3000_0000, 32 * MiB)),
+        segment(0x4000_0000, 0, *small, block(0x5000_0000, 50 * MiB, "active_pending_free")),
+        segment(0x6000_0000, AUX, block(0x6000_0000, 5 * MiB)),
+    ]
+
+
+def test_vllm_workspace_inside_and_outside_the_pools(vllm_workspace):
+    fields = ledger_module.ledger(0, held_segments())
+    assert fields["vllm_workspace"] == 9 * MiB
+    assert fields["vllm_workspace_outside_pools"] == 6 * MiB  # ubatch 2's is in a sleep pool
+    assert fields["current_stream"] == "0x5a" and fields["vllm_aux_stream"] == "0x7f"
+    # Inside torch's memory like the cuBLAS workspaces: shown beside, never added.
+    for name in ("vllm_workspace", "vllm_workspace_outside_pools"):
+        assert name in ledger_fields.INFORMATIVE and name not in ledger_fields.SUMMED
+    # A buffer in no segment torch lists is not counted as outside.
+    without = ledger_module.ledger(0, [])
+    assert without["vllm_workspace"] == 9 * MiB and without["vllm_workspace_outside_pools"] == 0
+    vllm_workspace._current_workspaces = [None]  # no ubatch asked for one yet
+    assert ledger_module.ledger(0, held_segments())["vllm_workspace"] == 0
+
+
+def test_largest_live_blocks_outside_the_pools_are_named(vllm_workspace):
+    fields = ledger_module.ledger(0, held_segments())
+    largest = fields["torch_outside_pools_largest_blocks"]
+    assert largest[:4] == [
+        {
+            "size": 32 * MiB,
+            "stream": "0x5a",
+            "what": "a cuBLAS workspace's size, on the current stream",
+        },
+        {
+            "size": 32 * MiB,
+            "stream": "0x7f",
+            "what": "a cuBLAS workspace's size, on vLLM's aux stream",
+        },
+        {"size": 6 * MiB + 512, "stream": "0x0", "what": "vLLM workspace buffer of ubatch 0"},
+        {"size": 5 * MiB, "stream": "0x7f", "what": "on vLLM's aux stream"},
+    ]
+    # Then the largest of the small ones, unnamed, up to eight in all: freed
+    # blocks and the sleep pool's are not among them.
+    assert largest[4:] == [{"size": s * 64 * 1024, "stream": "0x0"} for s in (10, 9, 8, 7)]
+    json.dumps(fields)
+    # A workspace buffer of a cuBLAS workspace's size is named by its address alone.
+    known = ledger_module.KnownMemory({0: FakeBuffer(0x10_0000, 32 * MiB)}, 32 * MiB, {})
+    assert known.what(0x10_0000, 32 * MiB, "0x0") == "vLLM workspace buffer of ubatch 0"
+
+
+def test_vllm_workspace_missing_from_vllm_says_which_symbol(vllm_workspace, monkeypatch):
+    import vllm
+    from vllm.utils import torch_utils
+    from vllm.v1.worker import workspace
+
+    monkeypatch.delattr(workspace, "_manager")
+    monkeypatch.delattr(torch_utils, "_aux_stream")
+    fields = ledger_module.ledger(0, held_segments())
+    reason = f"LookupError: vLLM {vllm.__version__} has no vllm.v1.worker.workspace._manager"
+    assert fields["vllm_workspace"] is None and fields["vllm_workspace_outside_pools"] is None
+    assert fields["unavailable"]["vllm_workspace"] == reason
+    assert fields["unavailable"]["vllm_workspace_outside_pools"] == reason
+    assert "_aux_stream" in fields["unavailable"]["vllm_aux_stream"]
+    # The blocks are still listed; the 32 MiB one on the aux stream is no longer named by it.
+    blocks = fields["torch_outside_pools_largest_blocks"]
+    assert blocks[1] == {"size": 32 * MiB, "stream": "0x7f", "what": "a cuBLAS workspace's size"}
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.workspace", None)  # no such module
+    fields = ledger_module.ledger(0, held_segments())
+    assert fields["unavailable"]["vllm_workspace"] == (
+        f"LookupError: vLLM {vllm.__version__} has no vllm.v1.worker.workspace"
+    )
+
+
+def test_vllm_aux_stream_not_made_yet(vllm_workspace, monkeypatch):
+    from vllm.utils import torch_utils
+
+    monkeypatch.setattr(torch_utils, "_aux_stream", None)
+    fields = ledger_module.ledger(0, held_segments())
+    assert fields["vllm_aux_stream"] is None
+    assert "made no aux stream" in fields["unavailable"]["vllm_aux_stream"]
+    assert fields["vllm_workspace"] == 9 * MiB  # the rest is unaffected
+
+
+def test_vllm_workspace_rows_in_the_table(recorded):
+    attributed = "asleep L1: attributed (MiB)"
+    before = row_cells(report.format_table(recorded), attributed)
+    for step in recorded["configs"][0]["steps"]:
+        for worker in step["asleep_report"]:
+            worker["ledger"] = {
+                **worker["ledger"],
+                "vllm_workspace": 96 * MiB,
+                "vllm_workspace_outside_pools": 64 * MiB,
+            }
+    table = report.format_table(recorded)
+    assert row_cells(table, "asleep L1: vllm workspace (MiB)") == ["96", "-", "-"]
+    assert row_cells(table, "asleep L1: vllm workspace outside pools (MiB)") == ["64", "-", "-"]
+    assert f"{ledger_table.NOTE} {ledger_table.WORKSPACE_NOTE}" in table
+    assert row_cells(table, attributed) == before  # inside torch's memory: not added
+    assert "largest blocks" not in table  # JSON only

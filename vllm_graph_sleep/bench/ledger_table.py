@@ -19,6 +19,23 @@ NOTE = (
     "not added. A field no configuration could read is left out; results.json says why "
     '("unavailable" of each ledger). Fields: vllm_graph_sleep/ledger_fields.py.'
 )
+#: Added to NOTE where the rows show vLLM's workspace (ledgers older than it have
+#: none, and their rendered tables stay as they were).
+WORKSPACE_NOTE = (
+    "vLLM's workspace is inside torch's memory or a sleep pool too, not added; its "
+    "outside-pools row is the part no sleep releases."
+)
+
+
+def _name(field: str) -> str:
+    return field.replace("_", " ")
+
+
+def note(lines: list[list[str]]) -> str:
+    """The note under the rows `lines` (as rows() gives them)."""
+    if any(f": {_name('vllm_workspace')}" in line[0] for line in lines):
+        return f"{NOTE} {WORKSPACE_NOTE}"
+    return NOTE
 
 
 def _ledger(summary: dict[str, Any], level: str, gpu: int) -> dict[str, Any] | None:
@@ -48,6 +65,6 @@ def rows(summaries: dict[str, dict[str, Any]]) -> list[list[str]]:
                     continue
                 where = f" gpu{gpu}" if gpus > 1 else ""
                 unit = "" if field in COUNTS else " (MiB)"
-                label = f"asleep L{level}: {field.replace('_', ' ')}{where}{unit}"
+                label = f"asleep L{level}: {_name(field)}{where}{unit}"
                 lines.append([label, *[cell or "-" for cell in cells]])
     return lines
