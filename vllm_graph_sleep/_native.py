@@ -2,21 +2,37 @@
 
 `VmmDriver` is everything `allocator.GraphSleepAllocator` needs from the GPU:
 map/unmap through `vllm_graph_sleep._cumem`, byte views of device memory, pinned
-host buffers, synchronisation and a MemPool on the pluggable allocator. CPU tests
-replace it with a faithful fake (tests/unit/fake_vmm.py).
+host buffers (`HostBuffers`), synchronisation and a MemPool on the pluggable
+allocator. CPU tests replace it with a faithful fake (tests/unit/fake_vmm.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import importlib
+import logging
+import mmap
+import os
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from vllm_graph_sleep.allocator import HOST_BUFFERS_ENV
+
+logger = logging.getLogger("vllm.graph_sleep")
+
 _CUDA_DRIVER_LIBRARY = "libcuda.so.1"
+REGISTERED_HOST_BUFFERS = "registered"
+TORCH_HOST_BUFFERS = "torch"
+# Fewer, larger pages for cudaHostRegister to lock: 43 instead of 68 ms for
+# 240 MiB on an H200 (benchmarks/pinning.py). Linux only.
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def _load_extension() -> Any:
@@ -50,6 +66,7 @@ class VmmDriver:
     def __init__(self) -> None:
         self._ext = _load_extension()
         self._pluggable: torch.cuda.memory.CUDAPluggableAllocator | None = None
+        self._host_buffers = HostBuffers(host_buffer_kind(), _TorchRuntime)
 
     def register_callbacks(
         self,
@@ -137,7 +154,7 @@ class VmmDriver:
         return torch.as_tensor(_DeviceRange(address, size), device=torch.device("cuda", device))
 
     def host_buffer(self, size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        return self._host_buffers.make(size)
 
     def synchronize(self, device: int) -> None:
         torch.cuda.synchronize(device)
@@ -146,3 +163,220 @@ class VmmDriver:
         # The extension's build decides the ROCm behaviour (zero-on-wake), not
         # torch: a test build runs the ROCm path on CUDA (tests/rocm_shim/).
         return self._ext.platform == "rocm"
+
+
+def host_buffer_kind() -> str:
+    """How host buffers are pinned, from VLLM_GRAPH_SLEEP_HOST_BUFFERS."""
+    value = os.environ.get(HOST_BUFFERS_ENV, "").strip().lower() or REGISTERED_HOST_BUFFERS
+    if value not in (REGISTERED_HOST_BUFFERS, TORCH_HOST_BUFFERS):
+        raise ValueError(
+            f"{HOST_BUFFERS_ENV}={os.environ[HOST_BUFFERS_ENV]!r} is not a known value: use "
+            f"{REGISTERED_HOST_BUFFERS!r} (the default) or {TORCH_HOST_BUFFERS!r}"
+        )
+    return value
+
+
+class _RegisteredTotals:
+    """What registering host memory has cost this process: the bytes registered
+    now and the seconds ever spent making registered buffers (mapping, advice,
+    cudaHostRegister). Process-wide, like torch's host-allocator statistics,
+    which registered buffers are not part of; buffers outlive any driver."""
+
+    def __init__(self) -> None:
+        # The last view of a buffer may be dropped on any thread. Nothing
+        # inside the lock can drop one (plain arithmetic), so a release never
+        # waits on its own thread.
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._seconds = 0.0
+
+    def registering(self, size: int, seconds: float) -> None:
+        """`seconds` spent on an attempt that registered `size` bytes (0: refused)."""
+        with self._lock:
+            self._bytes += size
+            self._seconds += seconds
+
+    def unregistered(self, size: int) -> None:
+        with self._lock:
+            self._bytes -= size
+
+    def read(self) -> tuple[int, float]:
+        with self._lock:
+            return self._bytes, self._seconds
+
+
+_registered_totals = _RegisteredTotals()
+
+
+def registered_host_memory() -> tuple[int, float]:
+    """(bytes of host memory registered now, seconds spent registering so far)."""
+    return _registered_totals.read()
+
+
+class _Registration:
+    """One cudaHostRegister, undone once."""
+
+    def __init__(self, runtime: Any, address: int, size: int) -> None:
+        self.runtime = runtime
+        self.address = address
+        self.size = size
+
+    def release(self) -> None:
+        error = self.runtime.cudaHostUnregister(self.address)
+        if error != 0:
+            self.runtime.cudaGetLastError()  # see _TorchRuntime
+            logger.warning(
+                "graph-sleep: cudaHostUnregister of a %d-byte host buffer failed with error "
+                "%d (%s); the driver may keep its pages locked",
+                self.size,
+                error,
+                self.runtime.cudaGetErrorName(error),
+            )
+            return
+        _registered_totals.unregistered(self.size)
+
+
+class _RegisteredMapping(mmap.mmap):
+    """Anonymous memory that stays registered for as long as this object lives.
+
+    torch.frombuffer keeps the object that exported the buffer alive until the
+    storage over it is freed, that is until the last tensor or view of the
+    buffer is gone, and nothing else holds this object. So the finalizer runs
+    exactly then, once, and unregisters before mmap's own deallocation unmaps
+    the memory: the pages are never unmapped while registered, nor unregistered
+    while a view can still reach them."""
+
+    registration: _Registration | None = None
+    # Bound here: at interpreter exit module globals may be gone before this.
+    _finalizing = staticmethod(sys.is_finalizing)
+
+    def __del__(self) -> None:
+        # At exit the runtime may be torn down already, and the driver drops
+        # the process's registrations with it anyway.
+        if self.registration is not None and not self._finalizing():
+            self.registration.release()
+
+
+def _torch_pinned_buffer(size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+
+def _anonymous_mapping(size: int) -> _RegisteredMapping:
+    # Private: shared anonymous memory is shmem, whose huge pages follow
+    # another setting (shmem_enabled) that is usually off.
+    mapping = _RegisteredMapping(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if _MADV_HUGEPAGE is not None:
+        # A kernel without transparent huge pages refuses; small pages work.
+        with contextlib.suppress(OSError):
+            mapping.madvise(_MADV_HUGEPAGE)
+    return mapping
+
+
+class _TorchRuntime:
+    """The calls host buffers make to the GPU runtime that torch is linked to.
+
+    cudaHostRegister and cudaHostUnregister are torch's own bindings
+    (torch.cuda.cudart()). ROCm builds of torch bind the same two names to
+    hipHostRegister and hipHostUnregister, so registration works the same there.
+
+    torch 2.11 binds no cudaGetLastError, yet a failed call leaves its error
+    pending in the calling thread, and torch's check after the next kernel
+    launch would raise it there, far from its cause. So the error is read (and
+    cleared) through the runtime library itself, opened by the soname torch
+    links: only one library of a soname is loaded, so it is torch's instance.
+
+    With flags 0 a registration belongs to the context of the device current
+    when it is made, and the last view of a buffer may be dropped on any
+    thread, so every registration is made and undone on the device current
+    when this object is made (vLLM runs one device per worker)."""
+
+    def __init__(self) -> None:
+        self._bindings = torch.cuda.cudart()
+        self._device = torch.cuda.current_device()
+        if torch.version.hip is not None:
+            prefix, soname = "hip", f"libamdhip64.so.{torch.version.hip.split('.')[0]}"
+        else:
+            prefix, soname = "cuda", f"libcudart.so.{torch.version.cuda.split('.')[0]}"
+        library = ctypes.CDLL(soname, mode=os.RTLD_NOLOAD)
+        self._get_last_error = getattr(library, f"{prefix}GetLastError")
+        self._error_name = getattr(library, f"{prefix}GetErrorName")
+        self._error_name.restype = ctypes.c_char_p
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+        with torch.cuda.device(self._device):
+            return int(self._bindings.cudaHostRegister(address, size, flags))
+
+    def cudaHostUnregister(self, address: int) -> int:
+        with torch.cuda.device(self._device):
+            return int(self._bindings.cudaHostUnregister(address))
+
+    def cudaGetLastError(self) -> int:
+        return self._get_last_error()
+
+    def cudaGetErrorName(self, error: int) -> str:
+        return self._error_name(error).decode()
+
+
+class HostBuffers:
+    """Page-locked host buffers of exactly the size asked for.
+
+    "registered" (the default): anonymous memory, advised to use transparent
+    huge pages, registered with cudaHostRegister. torch's pinned allocator
+    rounds each buffer up to a power of two and pins small pages: 384 instead
+    of 240 MiB and 130-150 instead of 43 ms for twelve 20 MiB buffers on an
+    H200 (benchmarks/pinning.py). "torch": torch's pinned allocator, which is
+    also what the first refused registration falls back to, for that buffer
+    and every later one (one warning, no retries).
+
+    `make_runtime` gives the runtime calls (`_TorchRuntime` on a GPU)."""
+
+    def __init__(self, kind: str, make_runtime: Callable[[], Any]) -> None:
+        self._registering = kind == REGISTERED_HOST_BUFFERS
+        self._make_runtime = make_runtime
+        self._runtime: Any = None
+
+    def make(self, size: int) -> torch.Tensor:
+        """A uint8 CPU tensor of `size` (> 0) page-locked bytes."""
+        host = self._registered(size) if self._registering else None
+        return _torch_pinned_buffer(size) if host is None else host
+
+    def _registered(self, size: int) -> torch.Tensor | None:
+        """A registered buffer, or None once registration is given up."""
+        runtime = self._registration_runtime()
+        if runtime is None:
+            return None
+        start = time.perf_counter()
+        mapping = _anonymous_mapping(size)
+        host = torch.frombuffer(mapping, dtype=torch.uint8)
+        # All the mapping's pages: no partial page for the driver to round.
+        locked = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        error = runtime.cudaHostRegister(host.data_ptr(), locked, 0)
+        if error != 0:
+            runtime.cudaGetLastError()  # see _TorchRuntime
+            _registered_totals.registering(0, time.perf_counter() - start)
+            name = runtime.cudaGetErrorName(error)
+            self._give_up(f"cudaHostRegister failed: error {error} ({name})")
+            return None
+        mapping.registration = _Registration(runtime, host.data_ptr(), locked)
+        _registered_totals.registering(locked, time.perf_counter() - start)
+        return host
+
+    def _registration_runtime(self) -> Any:
+        """The runtime calls, made at the first registered buffer (CUDA is up by
+        then); None when they cannot be made."""
+        if self._runtime is None:
+            try:
+                self._runtime = self._make_runtime()
+            except (OSError, AttributeError) as error:
+                self._give_up(f"the GPU runtime's error calls are out of reach ({error})")
+        return self._runtime
+
+    def _give_up(self, reason: str) -> None:
+        self._registering = False
+        logger.warning(
+            "graph-sleep: %s; host backups use torch's pinned allocator from now on "
+            "(%s=%s skips registering)",
+            reason,
+            HOST_BUFFERS_ENV,
+            TORCH_HOST_BUFFERS,
+        )

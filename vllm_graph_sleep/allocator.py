@@ -66,6 +66,8 @@ RELEASE_HOST_MEMORY_ENV = "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"
 RELEASE_STACK_ENV = "VLLM_GRAPH_SLEEP_RELEASE_STACK"
 RELEASE_BLAS_WORKSPACES_ENV = "VLLM_GRAPH_SLEEP_RELEASE_BLAS_WORKSPACES"
 WHOLE_GRAPH_POOL_BACKUP_ENV = "VLLM_GRAPH_SLEEP_BACK_UP_WHOLE_GRAPH_POOL"
+# How the driver pins host buffers: "registered" (default) or "torch".
+HOST_BUFFERS_ENV = "VLLM_GRAPH_SLEEP_HOST_BUFFERS"
 # Test switch: a wake fills what a graph-pool backup left out with this byte,
 # so that a replay reading memory it did not write gives wrong tokens.
 POISON_GRAPH_SCRATCH_ENV = "VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH"
@@ -585,7 +587,13 @@ class GraphSleepAllocator:
             del self._saved_stack[device]
 
     def _back_up(self, allocations: list[Allocation]) -> None:
-        """Copies `allocations` to pinned host buffers and waits for the copies."""
+        """Copies `allocations` to pinned host buffers and waits for the copies.
+
+        The driver makes each buffer the exact size needed, registered with
+        cudaHostRegister, or from torch's pinned allocator (rounded up to a
+        power of two) under VLLM_GRAPH_SLEEP_HOST_BUFFERS=torch or once a
+        registration failed. A registered buffer is unregistered when its last
+        view dies, so dropping `allocation.host` is all a replacement needs."""
         live = self._graph_pool_live_ranges()
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)

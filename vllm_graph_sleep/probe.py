@@ -17,19 +17,24 @@ from vllm_graph_sleep.ledger import ledger
 
 
 def pinned_host() -> dict[str, float] | None:
-    """torch's pinned host allocator in this process, which both ours and stock
-    vLLM take sleep backups from: the bytes it holds (each block rounded up to a
-    power of two, as it asks the driver for them) and the seconds spent pinning
-    so far. None where torch does not keep these statistics."""
+    """Page-locked host memory in this process: what torch's pinned allocator
+    holds (each block rounded up to a power of two, as it asks the driver for
+    them; stock vLLM's backups and vLLM's own staging) plus our registered host
+    buffers (`registered_bytes`, not in torch's statistics), and the seconds
+    spent pinning both so far. None where torch does not keep statistics."""
+    from vllm_graph_sleep._native import registered_host_memory
+
     try:
         stats = torch.cuda.host_memory_stats()
     except (AttributeError, RuntimeError):
         return None
     if "allocated_bytes.current" not in stats:  # nothing before CUDA is initialized
         return None
+    registered_bytes, registering_s = registered_host_memory()
     return {
-        "bytes": stats["allocated_bytes.current"],
-        "pinning_s": stats.get("host_alloc_time.total", 0) / 1e6,
+        "bytes": stats["allocated_bytes.current"] + registered_bytes,
+        "pinning_s": stats.get("host_alloc_time.total", 0) / 1e6 + registering_s,
+        "registered_bytes": registered_bytes,
     }
 
 

@@ -478,14 +478,19 @@ def test_probe_remembers_pools_only_where_cuda_is_already_up(monkeypatch):
     assert probe._pools_of_earlier_engines == frozenset()
 
 
-def test_probe_reads_torchs_pinned_host_allocator(monkeypatch):
+def test_probe_adds_registered_host_buffers_to_torchs_pinned_host_allocator(monkeypatch):
     import torch
 
-    from vllm_graph_sleep import probe
+    from vllm_graph_sleep import _native, probe
 
     stats = {"allocated_bytes.current": 1028 * 2**20, "host_alloc_time.total": 50_000}
     monkeypatch.setattr(torch.cuda, "host_memory_stats", lambda: stats)
-    assert probe.pinned_host() == {"bytes": 1028 * 2**20, "pinning_s": 0.05}
+    monkeypatch.setattr(_native, "registered_host_memory", lambda: (240 * 2**20, 0.025))
+    assert probe.pinned_host() == {
+        "bytes": 1268 * 2**20,
+        "pinning_s": pytest.approx(0.075),
+        "registered_bytes": 240 * 2**20,
+    }
 
     def unavailable():
         raise RuntimeError("no CUDA")

@@ -10,6 +10,7 @@ With GRAPH_SLEEP_TEST_EXTENSION pointing at the rocm-on-cuda build
 from __future__ import annotations
 
 import ctypes
+import logging
 import re
 import subprocess
 import sys
@@ -731,3 +732,89 @@ def test_sleep_releases_the_stack_reservation_and_graphs_replay_after_wake():
     graph.replay()
     torch.cuda.synchronize()
     assert bool((out == 7).all())
+
+
+CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory
+CUDA_ERROR_INVALID_VALUE = 1
+
+
+def is_registered_host_memory(runtime: ctypes.CDLL, address: int) -> bool:
+    """What the CUDA runtime says of `address`: page-locked host memory or not."""
+    attributes = (ctypes.c_int * 16)()  # cudaPointerAttributes starts with its type
+    error = runtime.cudaPointerGetAttributes(attributes, ctypes.c_void_p(address))
+    if error == CUDA_ERROR_INVALID_VALUE:  # how some runtimes answer for unknown memory
+        runtime.cudaGetLastError()
+        return False
+    assert error == 0, f"cudaPointerGetAttributes failed: {error}"
+    return attributes[0] == CUDA_MEMORY_TYPE_HOST
+
+
+@fresh_process
+def test_host_buffers_are_registered_at_their_size_until_their_last_view_dies(monkeypatch):
+    """The driver's host buffers: exactly the size asked for, page-locked with
+    cudaHostRegister (not torch's pinned allocator), right bytes both ways with
+    the allocator's asynchronous copies, and unregistered once their last view
+    is gone, not before."""
+    from vllm_graph_sleep._native import VmmDriver, registered_host_memory
+
+    monkeypatch.delenv("VLLM_GRAPH_SLEEP_HOST_BUFFERS", raising=False)
+    runtime = cudart()
+    driver = VmmDriver()
+    size = 20 * MIB + 123
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+    torch_pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    registered = registered_host_memory()[0]
+    host = driver.host_buffer(size)
+    address = host.data_ptr()
+    assert host.numel() == size
+    assert host.is_pinned()
+    assert is_registered_host_memory(runtime, address)
+    assert registered_host_memory()[0] - registered >= size
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == torch_pinned
+
+    host.copy_(data, non_blocking=True)
+    torch.cuda.synchronize()
+    back = torch.empty_like(data)
+    back.copy_(host[:], non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, data)
+
+    tail = host[MIB:]
+    del host
+    assert is_registered_host_memory(runtime, address + MIB)  # the view holds it
+    assert int(tail[-1]) == int(data[-1])
+    del tail
+    assert not is_registered_host_memory(runtime, address)
+    assert registered_host_memory()[0] == registered
+    # A kernel launch: torch's check after it raises any error left pending.
+    data.add_(1)
+    torch.cuda.synchronize()
+
+
+@fresh_process
+def test_a_refused_registration_falls_back_and_leaves_no_error_for_the_next_kernel(monkeypatch):
+    """A registration the runtime refuses (here: pages registered already)
+    gives a buffer from torch's pinned allocator, one warning, and no error
+    left pending for torch's check after the next kernel launch to raise."""
+    from vllm_graph_sleep import _native
+
+    taken = _native._anonymous_mapping(MIB)
+    view = torch.frombuffer(taken, dtype=torch.uint8)
+    assert int(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), MIB, 0)) == 0
+    monkeypatch.setattr(_native, "_anonymous_mapping", lambda size: taken)
+    monkeypatch.delenv("VLLM_GRAPH_SLEEP_HOST_BUFFERS", raising=False)
+    warnings: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    logging.getLogger("vllm.graph_sleep").addHandler(handler)
+    driver = _native.VmmDriver()
+    host = driver.host_buffer(MIB)
+    again = driver.host_buffer(MIB)
+    assert len(warnings) == 1
+    assert "cudaErrorHostMemoryAlreadyRegistered" in warnings[0].getMessage()
+    for buffer in (host, again):
+        assert buffer.is_pinned() and buffer.data_ptr() != view.data_ptr()
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] >= 2 * MIB
+    torch.ones(16, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    assert int(torch.cuda.cudart().cudaHostUnregister(view.data_ptr())) == 0
