@@ -8,6 +8,7 @@ allocator. CPU tests replace it with a faithful fake (tests/unit/fake_vmm.py).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import gc
@@ -156,6 +157,9 @@ class VmmDriver:
     def host_buffer(self, size: int) -> torch.Tensor:
         return self._host_buffers.make(size)
 
+    def release_dropped_host_buffers(self) -> None:
+        release_dropped_host_buffers()
+
     def synchronize(self, device: int) -> None:
         torch.cuda.synchronize(device)
 
@@ -221,19 +225,21 @@ class _Registration:
         self.address = address
         self.size = size
 
-    def release(self) -> None:
+    def release(self) -> bool:
+        """False (logged) when the pages may still be registered."""
         error = self.runtime.cudaHostUnregister(self.address)
         if error != 0:
             self.runtime.cudaGetLastError()  # see _TorchRuntime
             logger.warning(
                 "graph-sleep: cudaHostUnregister of a %d-byte host buffer failed with error "
-                "%d (%s); the driver may keep its pages locked",
+                "%d (%s); the driver may keep its pages locked, so they stay mapped",
                 self.size,
                 error,
                 self.runtime.cudaGetErrorName(error),
             )
-            return
+            return False
         _registered_totals.unregistered(self.size)
+        return True
 
 
 class _RegisteredMapping(mmap.mmap):
@@ -242,9 +248,18 @@ class _RegisteredMapping(mmap.mmap):
     torch.frombuffer keeps the object that exported the buffer alive until the
     storage over it is freed, that is until the last tensor or view of the
     buffer is gone, and nothing else holds this object. So the finalizer runs
-    exactly then, once, and unregisters before mmap's own deallocation unmaps
-    the memory: the pages are never unmapped while registered, nor unregistered
-    while a view can still reach them."""
+    exactly then, once. It does not unregister there: the last view can die on
+    any thread at any moment, e.g. inside torch's allocator callback (our free
+    callback drops a freed allocation's backup) under torch's allocator lock,
+    where the unregister binding releases the GIL and a thread holding the GIL
+    that allocates would wait for that lock: a deadlock; or while a stream
+    captures, where the driver refuses the call. The finalizer queues the
+    mapping instead (which keeps it alive, mapped and registered), and
+    release_dropped_host_buffers unregisters it at the allocator's next sleep,
+    wake, discard or shutdown, then lets mmap unmap it (a finalizer runs once
+    per object, PEP 442). The pages are never unmapped while registered, nor
+    unregistered while a view can still reach them. One whose unregistration
+    failed is kept (_still_registered) instead of unmapped."""
 
     registration: _Registration | None = None
     # Bound here: at interpreter exit module globals may be gone before this.
@@ -254,7 +269,28 @@ class _RegisteredMapping(mmap.mmap):
         # At exit the runtime may be torn down already, and the driver drops
         # the process's registrations with it anyway.
         if self.registration is not None and not self._finalizing():
-            self.registration.release()
+            _dropped.append(self)
+
+
+# Mappings whose last view died, waiting to be unregistered (a deque: appends
+# and pops are atomic, and the finalizer may run on any thread).
+_dropped: collections.deque[_RegisteredMapping] = collections.deque()
+# Mappings whose unregistration failed: unmapped, their addresses could go to
+# the next mapping while the driver still translates them to these pages, so
+# they are kept (their pages stay locked either way).
+_still_registered: list[_RegisteredMapping] = []
+
+
+def release_dropped_host_buffers() -> None:
+    """Unregisters (then unmaps) every registered buffer whose last view died;
+    to be called where no allocator lock is held and nothing captures."""
+    while True:
+        try:
+            mapping = _dropped.popleft()
+        except IndexError:
+            return
+        if not mapping.registration.release():
+            _still_registered.append(mapping)
 
 
 def _torch_pinned_buffer(size: int) -> torch.Tensor:

@@ -304,6 +304,7 @@ class GraphSleepAllocator:
             self._workspace_blocks.clear()
         self._graph_pool = None
         self._driver.release_cached_memory()
+        self._driver.release_dropped_host_buffers()
         if self.allocations:
             logger.info(
                 "graph-sleep: %s still allocated after shutdown (%s)",
@@ -489,6 +490,8 @@ class GraphSleepAllocator:
             offload_tags = (DEFAULT_TAG,)
         offload = self._normalize(offload_tags, "sleep")
         start = time.perf_counter()
+        # Before new backups: those of allocations freed since the last call.
+        self._driver.release_dropped_host_buffers()
         self.claim_graph_pool()
         workspaces = self._release_blas_workspaces()
         # Segments that dropped pools (and the workspaces) freed: nothing to
@@ -549,6 +552,7 @@ class GraphSleepAllocator:
                 "; ".join(failures),
             )
         stack = self._lower_stack({allocation.device for allocation in self._live()})
+        self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
         logger.info(
             "graph-sleep sleep: backed up %s; dropped %s; %s; %s; %.3f s",
             _describe(kept),
@@ -733,6 +737,7 @@ class GraphSleepAllocator:
             allocation.has_backup = False
             if self.release_host_memory:
                 allocation.host = None
+        self._driver.release_dropped_host_buffers()
         still_asleep: dict[str, int] = {}
         for allocation in self.allocations.values():
             if not allocation.mapped:
@@ -815,6 +820,7 @@ class GraphSleepAllocator:
                 freed += allocation.size
             allocation.host = None
             allocation.has_backup = False
+        self._driver.release_dropped_host_buffers()
         logger.info("graph-sleep discard(%s): released %s", list(selected), format_bytes(freed))
         return freed
 

@@ -136,6 +136,10 @@ class FakeVmmDriver:
         self._maybe_fail("host_buffer", "CUDA error: out of memory (pinned host allocation)")
         return torch.empty(size, dtype=torch.uint8)
 
+    def release_dropped_host_buffers(self) -> None:
+        # Plain tensors here; tests of registered buffers put the real one in.
+        pass
+
     # -- torch's cuBLAS workspaces, one per stream ---------------------------
 
     def current_stream_handle(self) -> int:

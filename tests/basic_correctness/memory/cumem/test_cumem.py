@@ -784,6 +784,8 @@ def test_host_buffers_are_registered_at_their_size_until_their_last_view_dies(mo
     assert is_registered_host_memory(runtime, address + MIB)  # the view holds it
     assert int(tail[-1]) == int(data[-1])
     del tail
+    assert is_registered_host_memory(runtime, address)  # until the next release point
+    driver.release_dropped_host_buffers()
     assert not is_registered_host_memory(runtime, address)
     assert registered_host_memory()[0] == registered
     # A kernel launch: torch's check after it raises any error left pending.
