@@ -791,6 +791,16 @@ class GraphSleepAllocator:
                 allocation.tag = GRAPH_TAG
 
     def _roll_back(self, mapped: list[Allocation]) -> None:
+        # Copies _fill queued may still be running into this memory (and, with
+        # registered host buffers, out of host memory that nothing else keeps
+        # from being unmapped); a device too broken to wait for is unmapped anyway.
+        for device in {allocation.device for allocation in mapped}:
+            try:
+                self._driver.synchronize(device)
+            except Exception as error:
+                logger.warning(
+                    "graph-sleep: rollback could not wait for device %d: %s", device, error
+                )
         for allocation in reversed(mapped):
             try:
                 self._driver.unmap_and_release(*self._handle(allocation))

@@ -169,6 +169,32 @@ def test_failing_wake_rolls_back_and_can_be_retried():
     assert bool((driver.read(graph) == 3).all())
 
 
+def test_a_wake_that_fails_after_queuing_copies_waits_for_them_before_unmapping(monkeypatch):
+    driver, manager = make()
+    allocate(driver, manager, "cudagraph", 2 * MIB, value=3)
+    weights = allocate(driver, manager, "weights", 8 * MIB, value=1)
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+    order = []
+    for call in ("synchronize", "unmap_and_release"):
+        monkeypatch.setattr(driver, call, _recorded(order, call, getattr(driver, call)))
+    driver.failures["synchronize"] = 0  # the wait at the end of the copies fails
+    with pytest.raises(WakeUpError, match="illegal memory access"):
+        manager.wake_up()
+    # The copies were queued; the rollback waits for them, then unmaps.
+    assert order[:3] == ["synchronize", "synchronize", "unmap_and_release"]
+    assert driver.mapped_bytes() == 0
+    manager.wake_up()
+    assert bool((driver.read(weights) == 1).all())
+
+
+def _recorded(order, name, call):
+    def recording(*args):
+        order.append(name)
+        return call(*args)
+
+    return recording
+
+
 def test_failure_on_first_map_changes_nothing():
     driver, manager = make(capacity=16 * MIB)
     weights = allocate(driver, manager, "weights", 8 * MIB, value=1)
