@@ -326,6 +326,18 @@ def test_report_option_merges_runs_of_different_configs(recorded, tmp_path, caps
     assert "'ours' is in more than one file" in capsys.readouterr().err
 
 
+def test_merged_runs_keep_the_start_rounds_of_every_file(recorded):
+    first, second = dict(recorded), dict(recorded)
+    first["configs"], second["configs"] = recorded["configs"][:1], recorded["configs"][1:2]
+    first["start_rounds"] = [{"round": 1, "config": "ours", "start_s": 60.0}]
+    second["start_rounds"] = [{"round": 1, "config": "stock_graphs", "start_s": 55.0}]
+    merged = runner.merge([first, second], ["a", "b"])
+    assert [e["config"] for e in merged["start_rounds"]] == ["ours", "stock_graphs"]
+    rounds = {n: s["start_rounds"]["start_s"] for n, s in report.summarize_all(merged).items()}
+    assert rounds == {"ours": 60.0, "stock_graphs": 55.0}
+    assert "start_rounds" not in runner.merge([recorded], ["a"])
+
+
 def test_report_option_refuses_other_json(tmp_path, capsys):
     other = tmp_path / "x.json"
     other.write_text(json.dumps({"schema": "something-else"}))
@@ -556,7 +568,9 @@ def test_bench_start_rounds_alternate_and_report_medians(fake_bench, capsys):
     argv, out = fake_bench
     argv += ["--configs", "ours", "stock_graphs", "--levels", "1", "--no-floor"]
     assert cli.main([*argv, "--warm-starts", "0", "--start-rounds", "2"]) == 0
-    table = capsys.readouterr().out
+    printed = capsys.readouterr()
+    table = printed.out
+    assert "[stock_graphs] start round 2 of 2" in printed.err
     rounds = json.loads((out / "results.json").read_text())["start_rounds"]
     # Every configuration takes every place: the order turns from round to round.
     assert [(e["round"], e["config"]) for e in rounds] == [

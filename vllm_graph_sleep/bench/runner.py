@@ -211,11 +211,16 @@ def merge(parts: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     configuration that appears twice is refused."""
     merged = {**parts[0], "configs": [], "merged_from": sources}
     merged.pop("summary", None)
+    merged.pop("start_rounds", None)
     for part in parts:
         for record in part.get("configs", []):
             if any(r["config"] == record["config"] for r in merged["configs"]):
                 raise ValueError(f"configuration {record['config']!r} is in more than one file")
             merged["configs"].append(record)
+        # Each file's rounds alternate only among its own configurations.
+        merged.setdefault("start_rounds", []).extend(part.get("start_rounds", []))
+    if not merged["start_rounds"]:
+        del merged["start_rounds"]
     merged["settings"] = {
         **merged.get("settings", {}),
         "configs": [r["config"] for r in merged["configs"]],

@@ -47,6 +47,7 @@ def run_rounds(
         for name in rotated(list(baselines), number):
             entry: dict[str, Any] = {"round": number + 1, "config": name}
             starts.append(entry)
+            progress(f"[{name}] start round {number + 1} of {settings.start_rounds}")
             try:
                 entry.update(_start_once(name, number + 1, results, settings, command_for, env))
             except Exception as error:
