@@ -431,6 +431,7 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     captured = capsys.readouterr()
     assert "asleep L1, over idle GPU (MiB)" in captured.out
     assert "[ours] 4/4 level 2, staged wake" in captured.err  # progress
+    assert "  measured again, still before (tok/s)" in captured.out
     results = json.loads((out / "results.json").read_text())
     assert results["schema"] == report.SCHEMA
     by_name = {c["config"]: c for c in results["configs"]}
@@ -443,6 +444,7 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
             (2, "staged"),
         ]
         assert all(s["bit_exact"] and s["is_sleeping_asleep"] for s in record["steps"])
+        assert record["decode_before_again"]["tokens_per_s"] > 0
         assert not any(s["is_sleeping_awake"] for s in record["steps"])
         assert all(s["is_sleeping_staged"] for s in record["steps"] if s["wake"] == "staged")
         assert record["after_stop_used_bytes"] == [IDLE]

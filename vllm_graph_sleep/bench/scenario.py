@@ -7,7 +7,9 @@ warm-up completion, reference tokens, decode speed, awake memory and probe
 report, then for every (cycle, level, wake mode): sleep, /is_sleeping, asleep memory and
 report, wake (full, or staged: weights, then kv_cache; level 2 reloads the
 weights after the weights are back), /is_sleeping, completions compared token by
-token with the reference; then decode speed again. The server is stopped
+token with the reference; then decode speed again (it is measured twice before
+the first sleep, so the change after the wakes can be read against how far two
+measurements of the same server differ). The server is stopped
 whatever happens, and the memory it held is waited for before returning.
 """
 
@@ -164,7 +166,13 @@ class Scenario:
         reference = client.complete(PROMPTS, settings.max_tokens)
         record["reference"] = {"token_ids": reference.token_ids, "texts": reference.texts}
         record["decode_before"] = measure_decode(client, settings)
-        self._say(f"decode {record['decode_before']['tokens_per_s'] or 0:.0f} tok/s (1 stream)")
+        # The same measurement again before any sleep: how far two measurements
+        # of one server differ, against which the change after the wakes is read.
+        record["decode_before_again"] = measure_decode(client, settings)
+        self._say(
+            f"decode {record['decode_before']['tokens_per_s'] or 0:.0f} tok/s (1 stream), "
+            f"again {record['decode_before_again']['tokens_per_s'] or 0:.0f} tok/s"
+        )
         record["awake_used_bytes"] = settle(self.memory)
         record["awake_report"] = self._report()
         self._say(f"awake: {_mib(record['awake_used_bytes'])}")

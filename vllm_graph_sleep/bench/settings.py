@@ -34,7 +34,9 @@ class BenchSettings:
     max_model_len: int = 1024
     max_tokens: int = 32
     decode_tokens: int = 128
-    decode_repeats: int = 3
+    # Medians over this many runs (with 3, two measurements of the same server
+    # differed by 10-20 % on an H200: docs/results/bench-h200-run5.md).
+    decode_repeats: int = 5
     start_timeout: float = 900.0
     # Starts to /health (then stopped) before the measured one, so that the
     # measured engine start finds torch.compile's and Triton's caches warm. Each
