@@ -304,6 +304,12 @@ class GraphSleepAllocator:
             self._workspace_blocks.clear()
         self._graph_pool = None
         self._driver.release_cached_memory()
+        # This engine sleeps no more: the buffers kept for its next sleep go
+        # now, not when their allocations are freed, which can be after the
+        # last release point. Backups of what is asleep stay for a wake.
+        for allocation in self.allocations.values():
+            if allocation.mapped:
+                allocation.host = None
         self._driver.release_dropped_host_buffers()
         if self.allocations:
             logger.info(
@@ -503,6 +509,10 @@ class GraphSleepAllocator:
         try:
             self._back_up(to_back_up)
         except Exception as error:
+            # Copies already queued must not outlive the call: a later sleep that
+            # drops these allocations, or shutdown, lets their buffers go (and a
+            # registered one is unregistered) without waiting for the device.
+            self._wait_for_devices(to_back_up, "a failed sleep")
             for allocation in to_back_up:
                 allocation.has_backup = False
             raise SleepError(
@@ -596,8 +606,9 @@ class GraphSleepAllocator:
         The driver makes each buffer the exact size needed, registered with
         cudaHostRegister, or from torch's pinned allocator (rounded up to a
         power of two) under VLLM_GRAPH_SLEEP_HOST_BUFFERS=torch or once a
-        registration failed. A registered buffer is unregistered when its last
-        view dies, so dropping `allocation.host` is all a replacement needs."""
+        registration failed. A registered buffer is unregistered at the next
+        release point after its last view dies (the end of this sleep for a
+        replaced one), so dropping `allocation.host` is all a replacement needs."""
         live = self._graph_pool_live_ranges()
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
@@ -794,13 +805,7 @@ class GraphSleepAllocator:
         # Copies _fill queued may still be running into this memory (and, with
         # registered host buffers, out of host memory that nothing else keeps
         # from being unmapped); a device too broken to wait for is unmapped anyway.
-        for device in {allocation.device for allocation in mapped}:
-            try:
-                self._driver.synchronize(device)
-            except Exception as error:
-                logger.warning(
-                    "graph-sleep: rollback could not wait for device %d: %s", device, error
-                )
+        self._wait_for_devices(mapped, "rollback")
         for allocation in reversed(mapped):
             try:
                 self._driver.unmap_and_release(*self._handle(allocation))
@@ -812,6 +817,17 @@ class GraphSleepAllocator:
                 )
                 allocation.mapped = True
                 allocation.has_backup = False
+
+    def _wait_for_devices(self, allocations: list[Allocation], who: str) -> None:
+        """Waits for what is queued on the devices of `allocations`; a device
+        too broken to wait for is logged and passed over."""
+        for device in {allocation.device for allocation in allocations}:
+            try:
+                self._driver.synchronize(device)
+            except Exception as error:
+                logger.warning(
+                    "graph-sleep: %s could not wait for device %d: %s", who, device, error
+                )
 
     def discard(self, tags: tuple[str, ...] | list[str] | str) -> int:
         """Releases the memory of `tags` without any backup; returns bytes freed.

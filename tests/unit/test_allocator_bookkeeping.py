@@ -187,6 +187,21 @@ def test_a_wake_that_fails_after_queuing_copies_waits_for_them_before_unmapping(
     assert bool((driver.read(weights) == 1).all())
 
 
+def test_a_sleep_that_fails_after_queuing_copies_waits_for_them(setup, monkeypatch):
+    from vllm_graph_sleep.allocator import SleepError
+
+    driver, manager, addresses = setup
+    order = []
+    for call in ("synchronize", "host_buffer"):
+        monkeypatch.setattr(driver, call, _recorded(order, call, getattr(driver, call)))
+    driver.fail("host_buffer", after=1)  # the weights' copy is queued, the graph's buffer refused
+    with pytest.raises(SleepError, match="the engine is awake"):
+        manager.sleep(offload_tags=("weights", "cudagraph"))
+    # Nothing else waits for that copy: a later sleep that drops the weights
+    # instead, or shutdown, unregisters its buffer without waiting.
+    assert order == ["synchronize", "host_buffer", "host_buffer", "synchronize"]
+
+
 def _recorded(order, name, call):
     def recording(*args):
         order.append(name)

@@ -331,3 +331,28 @@ def test_sleep_cycles_keep_exactly_the_buffers_the_allocator_holds_registered():
     assert len(runtime.unregistered()) == len(registered) == 6
     assert all(mapped for _, _, mapped in runtime.unregistered())
     assert registered_host_memory()[0] == 0
+
+
+def test_shutdown_lets_go_of_the_buffers_kept_for_a_next_sleep():
+    """A buffer an awake allocation keeps for its next sleep is let go at
+    shutdown: that engine sleeps no more, and the allocation may be freed
+    (its tensor outliving the engine) after the last release point."""
+    runtime = FakeRuntime()
+    driver = FakeVmmDriver()
+    driver.host_buffer = registered_buffers(runtime).make
+    driver.release_dropped_host_buffers = _native.release_dropped_host_buffers
+    manager = GraphSleepAllocator(driver)
+    awake = driver.malloc(PAGE)
+    with manager.allocation_tag("weights"):
+        asleep = driver.malloc(PAGE)
+    driver.write(asleep, 4)
+    manager.sleep(offload_tags=("default", "weights"))
+    manager.wake_up(tags=["kv_cache"])  # the weights stay asleep
+    assert runtime.registered == held_buffers(manager) and len(runtime.registered) == 2
+    manager.release_pools()  # engine shutdown
+    assert manager.allocations[awake].host is None
+    assert runtime.registered == held_buffers(manager) and len(runtime.registered) == 1
+    driver.free(awake)
+    assert len(runtime.registered) == 1
+    manager.wake_up()  # a backup stays until its allocation is woken or freed
+    assert bool((driver.read(asleep) == 4).all())
