@@ -261,7 +261,9 @@ RATIO_NOTE = (
     "Memory: NVML used memory minus the idle GPU before the server started; medians over "
     "the cycles. Engine start: to the first 200 on /health, after the warm-up starts (if any) "
     "of the same configuration filled its compile caches; engine core init: what vLLM logs "
-    "for it (profile, KV cache, compilation, graph capture, kernel warm-up)."
+    "for it (profile, KV cache, compilation, graph capture, kernel warm-up); alternating "
+    "(--start-rounds): medians of the starts made after every configuration ran, the order "
+    "rotated each round."
 )
 
 
