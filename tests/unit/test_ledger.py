@@ -397,6 +397,22 @@ def test_largest_live_blocks_outside_the_pools_are_named(vllm_workspace):
     assert known.what(0x10_0000, 32 * MiB, "0x0") == "vLLM workspace buffer of ubatch 0"
 
 
+def test_the_workspace_of_the_installed_vllm_is_read_where_it_keeps_it(monkeypatch):
+    """The private symbols the ledger reads, against the vLLM installed here (the
+    fakes above stand in for it elsewhere): its WorkspaceManager on the CPU."""
+    from vllm.v1.worker import workspace
+
+    monkeypatch.setattr(workspace, "_manager", None)
+    assert ledger_module.vllm_workspace_buffers() == {}  # not made yet
+    workspace.init_workspace_manager(torch.device("cpu"))
+    (view,) = workspace.current_workspace_manager().get_simultaneous(((1000,), torch.float32))
+    buffers = ledger_module.vllm_workspace_buffers()
+    assert list(buffers) == [0] and buffers[0].nbytes >= 4000
+    assert buffers[0].data_ptr() == view.data_ptr()
+    # The aux stream's symbol is there too (None: no MoE layer made it here).
+    assert ledger_module._vllm_aux_stream() is None
+
+
 def test_vllm_workspace_missing_from_vllm_says_which_symbol(vllm_workspace, monkeypatch):
     import vllm
     from vllm.utils import torch_utils
