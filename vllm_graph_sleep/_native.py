@@ -226,8 +226,18 @@ class _Registration:
         self.size = size
 
     def release(self) -> bool:
-        """False (logged) when the pages may still be registered."""
-        error = self.runtime.cudaHostUnregister(self.address)
+        """False (logged) when the pages may still be registered. Never raises:
+        it runs at the end of a sleep or wake that has done its work."""
+        try:
+            error = self.runtime.cudaHostUnregister(self.address)
+        except Exception as failure:
+            logger.warning(
+                "graph-sleep: cudaHostUnregister of a %d-byte host buffer raised %s; its "
+                "pages stay mapped",
+                self.size,
+                failure,
+            )
+            return False
         if error != 0:
             self.runtime.cudaGetLastError()  # see _TorchRuntime
             logger.warning(
