@@ -235,13 +235,25 @@ def expected_output(x, weight, with_capture_time_state):
     return out + 0.5 if with_capture_time_state else out
 
 
+def matmul_operands(alloc):
+    """The graphs' weight (in the weights pool) and input."""
+    with alloc.use_memory_pool("weights"):
+        weight = torch.randn(1024, 1024, device="cuda")
+    return weight, torch.randn(64, 1024, device="cuda")
+
+
+def replayed_capture(alloc, weight, x, with_capture_time_state):
+    """capture_into_graph_pool, replayed once: (graph, out, what out must hold)."""
+    graph, out = capture_into_graph_pool(alloc, weight, x, with_capture_time_state)
+    graph.replay()
+    return graph, out, expected_output(x, weight, with_capture_time_state)
+
+
 @fresh_process
 def test_graph_pool_is_backed_up_and_replays_after_any_wake():
     alloc = manager()
-    with alloc.use_memory_pool("weights"):
-        weight = torch.randn(1024, 1024, device="cuda")
+    weight, x = matmul_operands(alloc)
     reference_weight = weight.clone()
-    x = torch.randn(64, 1024, device="cuda")
     graph, out = capture_into_graph_pool(alloc, weight, x, with_capture_time_state=True)
     graph_entries = entries(alloc, GRAPH_TAG)
     assert sum(graph_entries.values()) > 0
@@ -275,12 +287,8 @@ def test_graph_pool_is_backed_up_and_replays_after_any_wake():
 @fresh_process
 def test_graph_scratch_is_left_out_of_the_backup_and_replays_exact():
     alloc = manager()
-    with alloc.use_memory_pool("weights"):
-        weight = torch.randn(1024, 1024, device="cuda")
-    x = torch.randn(64, 1024, device="cuda")
-    graph, out = capture_into_graph_pool(alloc, weight, x, with_capture_time_state=True)
-    graph.replay()
-    expected = expected_output(x, weight, True)
+    weight, x = matmul_operands(alloc)
+    graph, out, expected = replayed_capture(alloc, weight, x, with_capture_time_state=True)
     held = out.numel() * out.element_size() + graph.capture_time_state.numel() * 4
     for _ in range(3):
         alloc.sleep(offload_tags=("weights", GRAPH_TAG))
@@ -297,12 +305,8 @@ def test_graph_scratch_is_left_out_of_the_backup_and_replays_exact():
 @fresh_process
 def test_dropped_graph_pool_replays_when_the_graph_writes_all_it_reads():
     alloc = manager()
-    with alloc.use_memory_pool("weights"):
-        weight = torch.randn(1024, 1024, device="cuda")
-    x = torch.randn(64, 1024, device="cuda")
-    graph, out = capture_into_graph_pool(alloc, weight, x, with_capture_time_state=False)
-    graph.replay()
-    expected = expected_output(x, weight, False)
+    weight, x = matmul_operands(alloc)
+    graph, out, expected = replayed_capture(alloc, weight, x, with_capture_time_state=False)
     assert torch.equal(out, expected)
 
     for _ in range(3):
@@ -320,9 +324,7 @@ def test_dropped_graph_pool_replays_when_the_graph_writes_all_it_reads():
 @fresh_process
 def test_plain_capture_without_our_pool_is_unaffected():
     alloc = manager()
-    with alloc.use_memory_pool("weights"):
-        weight = torch.randn(1024, 1024, device="cuda")
-    x = torch.randn(64, 1024, device="cuda")
+    weight, x = matmul_operands(alloc)
     torch.relu(x @ weight)
     ours_before = set(alloc.allocations)
     graph = torch.cuda.CUDAGraph()
