@@ -187,9 +187,8 @@ class _RegisteredTotals:
     which registered buffers are not part of; buffers outlive any driver."""
 
     def __init__(self) -> None:
-        # The last view of a buffer may be dropped on any thread. Nothing
-        # inside the lock can drop one (plain arithmetic), so a release never
-        # waits on its own thread.
+        # Read by the probe, which need not run on the thread that sleeps.
+        # Nothing inside the lock can drop a buffer (plain arithmetic).
         self._lock = threading.Lock()
         self._bytes = 0
         self._seconds = 0.0
@@ -332,9 +331,9 @@ class _TorchRuntime:
     links: only one library of a soname is loaded, so it is torch's instance.
 
     With flags 0 a registration belongs to the context of the device current
-    when it is made, and the last view of a buffer may be dropped on any
-    thread, so every registration is made and undone on the device current
-    when this object is made (vLLM runs one device per worker)."""
+    when it is made, and it is undone later, at a release point whose current
+    device may differ, so every registration is made and undone on the device
+    current when this object is made (vLLM runs one device per worker)."""
 
     def __init__(self) -> None:
         self._bindings = torch.cuda.cudart()
