@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 
+from vllm_graph_sleep.bench.start_rounds import rotated
+
 MIB = 1 << 20
 MODES = (
     "torch-async",
@@ -50,13 +52,6 @@ MODES = (
     "register-hugepages",
     "register-prefault",
 )
-
-
-def rotated(modes: tuple[str, ...], repeat: int) -> list[str]:
-    """The modes in the order of repeat `repeat`: over as many repeats as there
-    are modes, each mode takes each place once."""
-    shift = repeat % len(modes)
-    return list(modes[shift:] + modes[:shift])
 
 
 def medians(runs: list[dict]) -> dict[str, dict[str, float]]:
@@ -180,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     runs = []
     for repeat in range(args.repeats):
-        for mode in rotated(tuple(args.modes), repeat):
+        for mode in rotated(args.modes, repeat):
             run = {**_run_child(mode, args.sizes_mib), "repeat": repeat}
             print("RESULT " + json.dumps(run), flush=True)
             runs.append(run)

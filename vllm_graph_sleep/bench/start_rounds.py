@@ -12,7 +12,7 @@ the median of each (report.summarize_all).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,13 @@ from vllm_graph_sleep.bench.settings import BenchSettings
 MiB = 2**20
 
 
-def rotated(names: list[str], round_number: int) -> list[str]:
-    """The order of round `round_number` (0-based)."""
-    shift = round_number % len(names) if names else 0
-    return names[shift:] + names[:shift]
+def rotated(names: Sequence[str], round_number: int) -> list[str]:
+    """The order of round `round_number` (0-based): over as many rounds as there
+    are names, each takes each place once (benchmarks/pinning.py orders its
+    modes with it too)."""
+    items = list(names)
+    shift = round_number % len(items) if items else 0
+    return items[shift:] + items[:shift]
 
 
 def run_rounds(
