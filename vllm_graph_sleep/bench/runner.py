@@ -217,10 +217,10 @@ def merge(parts: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
             if any(r["config"] == record["config"] for r in merged["configs"]):
                 raise ValueError(f"configuration {record['config']!r} is in more than one file")
             merged["configs"].append(record)
-        # Each file's rounds alternate only among its own configurations.
-        merged.setdefault("start_rounds", []).extend(part.get("start_rounds", []))
-    if not merged["start_rounds"]:
-        del merged["start_rounds"]
+    # Each file's rounds alternate only among its own configurations.
+    rounds = [entry for part in parts for entry in part.get("start_rounds", [])]
+    if rounds:
+        merged["start_rounds"] = rounds
     merged["settings"] = {
         **merged.get("settings", {}),
         "configs": [r["config"] for r in merged["configs"]],

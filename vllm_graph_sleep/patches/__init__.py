@@ -91,22 +91,26 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         patches = self.waiting.pop(fullname, None)
         if patches is None:
             return None
-        spec = None
         try:
-            for finder in list(sys.meta_path):
-                find = getattr(finder, "find_spec", None)
-                if finder is self or find is None:
-                    continue
-                spec = find(fullname, path, target)
-                if spec is not None:
-                    break
-        finally:
-            if spec is None or spec.loader is None:
-                self.waiting[fullname] = patches
+            spec = self._find_elsewhere(fullname, path, target)
+        except BaseException:
+            self.waiting[fullname] = patches
+            raise
         if spec is None or spec.loader is None:
+            self.waiting[fullname] = patches
             return None
         spec.loader = _ApplyAfterExec(spec.loader, patches)
         return spec
+
+    def _find_elsewhere(self, fullname, path, target):
+        """The spec the other finders give, in sys.meta_path's order."""
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is not self and find is not None:
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    return spec
+        return None
 
 
 _finder: _PatchOnImport | None = None
