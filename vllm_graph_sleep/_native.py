@@ -121,6 +121,10 @@ class VmmDriver:
     def current_stream_handle(self) -> int:
         return torch.cuda.current_stream().cuda_stream
 
+    def on_stream(self, stream: torch.cuda.Stream):
+        """Makes `stream` this thread's current stream inside."""
+        return torch.cuda.stream(stream)
+
     def pool_active_blocks(self, pool: torch.cuda.MemPool) -> set[tuple[int, int]]:
         """(address, bytes) of the blocks torch has allocated in `pool`."""
         return {

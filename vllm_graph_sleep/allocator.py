@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -71,6 +71,12 @@ HOST_BUFFERS_ENV = "VLLM_GRAPH_SLEEP_HOST_BUFFERS"
 # Test switch: a wake fills what a graph-pool backup left out with this byte,
 # so that a replay reading memory it did not write gives wrong tokens.
 POISON_GRAPH_SCRATCH_ENV = "VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH"
+# Test switch: a wake fills what it maps back without any backup (weights that
+# sleep level 2 dropped) with the same byte, so that a weight reload that misses
+# a tensor gives wrong tokens instead of whatever the driver's fresh pages held
+# (often the old bytes). Not the KV cache: vLLM never reads its stale blocks,
+# but attention kernels may load masked slots, where 0xFF would be NaN.
+POISON_REMAPPED_ENV = "VLLM_GRAPH_SLEEP_POISON_REMAPPED"
 POISON_BYTE = 0xFF
 # Per-thread stack limit while asleep. The context reserves limit x every thread
 # the GPU can hold resident (264 MiB at 1 KiB on an H200) and keeps it until the
@@ -186,6 +192,7 @@ class GraphSleepAllocator:
             whole_graph_pool_backup = bool(_env_flag(WHOLE_GRAPH_POOL_BACKUP_ENV))
         self.whole_graph_pool_backup = whole_graph_pool_backup
         self.poison_graph_scratch = bool(_env_flag(POISON_GRAPH_SCRATCH_ENV))
+        self.poison_remapped = bool(_env_flag(POISON_REMAPPED_ENV))
         # device -> the stack limit a wake puts back (only while it is lowered)
         self._saved_stack: dict[int, int] = {}
         # Streams whose cuBLAS and cuBLASLt workspaces this allocator made in
@@ -336,9 +343,10 @@ class GraphSleepAllocator:
         with self._routed_to(None), self.cudagraph_pool() as pool:
             yield pool
 
-    def create_blas_workspaces_in_graph_pool(self) -> None:
+    def create_blas_workspaces_in_graph_pool(self, side_streams: Sequence[Any] = ()) -> None:
         """Creates the cuBLAS and cuBLASLt workspaces of this thread's current
-        stream in the graph pool, before anything on that stream uses cuBLAS.
+        stream, and of `side_streams` (streams the captured graphs fork onto),
+        in the graph pool, before anything on those streams uses cuBLAS.
 
         torch keeps one workspace per (handle, stream), made at the first matmul
         there. On a graph-capture stream that is the eager warm-up before the
@@ -349,11 +357,34 @@ class GraphSleepAllocator:
 
         A stream that already has a workspace keeps it where it is, and each
         step makes at most its own workspace, so what the pool gained in each
-        step is that workspace. The stream is trusted (see
+        step is that workspace. A stream is trusted (see
         _release_blas_workspaces) only when both were made here; a call that
         makes nothing leaves its trust as it is (vLLM enters the context once
         per parallel group). This is an optimisation: if it fails, the capture
-        goes on with the workspaces where torch puts them."""
+        goes on with the workspaces where torch puts them.
+
+        Before the first capture into the graph pool no graph of ours exists,
+        so torch's workspaces are dropped first (with the release switched
+        on): what eager work made before on a side stream, or on the side
+        stream of the model runner V1's throwaway profiling graphs (32 MiB
+        that stayed resident on the H200 with Qwen3-MoE, run 5), is made again
+        here or, on a stream no graph uses, left out of the graph pool."""
+        if self.release_blas_workspaces and not self._graph_pool_segments():
+            self._driver.release_blas_workspaces()
+        self._create_blas_workspaces_on(None)
+        for stream in side_streams:
+            with self._driver.on_stream(stream):
+                self._create_blas_workspaces_on(stream)
+
+    def _graph_pool_segments(self) -> list[dict]:
+        if self._graph_pool is None:
+            return []
+        return self._graph_pool.snapshot(include_traces=False)
+
+    def _create_blas_workspaces_on(self, stream: Any) -> None:
+        """The workspaces of the current stream (`stream`, or this thread's
+        own when None) in the graph pool; trusts the stream when both were
+        made there."""
         made: list[set[tuple[int, int]]] = []
         try:
             with self.graph_pool_without_routing() as pool, self._routed_to(pool):
@@ -367,8 +398,8 @@ class GraphSleepAllocator:
                     self._workspace_blocks |= made[-1]
         except Exception as error:
             logger.warning(
-                "graph-sleep: the capture stream's cuBLAS workspaces stay outside the graph "
-                "pool: %s",
+                "graph-sleep: the cuBLAS workspaces of %s stay outside the graph pool: %s",
+                "the capture stream" if stream is None else f"side stream {stream}",
                 error,
             )
             return
@@ -400,14 +431,11 @@ class GraphSleepAllocator:
         torch.compile's "reduce-overhead" mode) is not seen here."""
         if not self.release_blas_workspaces:
             return f"cuBLAS workspaces kept ({RELEASE_BLAS_WORKSPACES_ENV}=0)"
-        graph_segments = set()
-        if self._graph_pool is not None:
-            graph_segments = {
-                segment["address"] for segment in self._graph_pool.snapshot(include_traces=False)
-            }
+        graph_segments = {segment["address"] for segment in self._graph_pool_segments()}
         outside: dict[int, dict[int, int]] = {}
         for address, stream, in_use in self._driver.torch_segments():
-            if address not in graph_segments and stream != 0:
+            # A cached segment with nothing in use holds no workspace.
+            if address not in graph_segments and stream != 0 and in_use > 0:
                 outside.setdefault(stream, {})[address] = in_use
         for stream, seen in list(self._trusted_streams.items()):
             now = outside.get(stream, {})
@@ -783,7 +811,9 @@ class GraphSleepAllocator:
                 if partial:
                     _add(fresh, allocation.tag, allocation.size - allocation.backup_bytes())
             else:
-                if self.zero_on_wake:
+                if self.poison_remapped and allocation.tag != KV_CACHE_TAG:
+                    self._device_bytes(allocation).fill_(POISON_BYTE)
+                elif self.zero_on_wake:
                     self._device_bytes(allocation).zero_()
                 _add(fresh, allocation.tag, allocation.size)
         for device in {allocation.device for allocation in mapped}:

@@ -17,6 +17,7 @@ driver calls can be injected (`fail`), one call at a time.
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 
 import torch
 
@@ -144,6 +145,14 @@ class FakeVmmDriver:
 
     def current_stream_handle(self) -> int:
         return self.current_stream
+
+    @contextmanager
+    def on_stream(self, stream: int):
+        previous, self.current_stream = self.current_stream, stream
+        try:
+            yield
+        finally:
+            self.current_stream = previous
 
     def pool_active_blocks(self, pool: FakePool) -> set[tuple[int, int]]:
         return {

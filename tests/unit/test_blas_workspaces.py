@@ -13,6 +13,10 @@ from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.patches.distributed_parallel_state import _wrap_graph_capture
 
 CAPTURE_STREAM = 0x37F84240
+AUX_STREAM = 0x37F85000  # vLLM's aux stream, which its graphs fork onto
+PROFILING_STREAM = 0x37F86000  # the side stream of model runner V1's throwaway graphs
+# torch drops every workspace once before the first capture into the graph pool.
+FIRST_CAPTURE = 1
 
 
 def make(**kwargs):
@@ -84,7 +88,7 @@ def test_sleep_drops_the_workspaces_and_keeps_the_pool_segment_for_the_graphs(ca
     made = capture_stream_workspaces(driver, manager)
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("cudagraph",))
-    assert driver.blas_releases == 1 and not driver.workspaces
+    assert driver.blas_releases == FIRST_CAPTURE + 1 and not driver.workspaces
     assert driver.outside_segments == []  # the default stream's are gone
     # The graphs still hold the addresses: they sleep and wake with the pool.
     assert made["blas"] in manager.allocations
@@ -109,7 +113,7 @@ def test_other_memory_a_warm_up_left_on_a_prepared_capture_stream_is_no_workspac
     # The H200 run: 1 MiB of something else the warm-up made on that stream.
     driver.outside_segments.append((0x1234000, CAPTURE_STREAM, LT_WORKSPACE + 1024))
     manager.sleep(offload_tags=("cudagraph",))
-    assert driver.blas_releases == 1
+    assert driver.blas_releases == FIRST_CAPTURE + 1
 
 
 def test_without_the_cublaslt_workspace_in_the_pool_the_stream_is_not_trusted(caplog):
@@ -121,7 +125,7 @@ def test_without_the_cublaslt_workspace_in_the_pool_the_stream_is_not_trusted(ca
     driver.create_blas_workspaces()  # the warm-up makes the cuBLASLt one outside
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("cudagraph",))
-    assert driver.blas_releases == 0
+    assert driver.blas_releases == FIRST_CAPTURE
     assert "cuBLAS workspaces kept (torch memory outside the graph pool on 1" in caplog.text
 
 
@@ -149,14 +153,83 @@ def test_a_workspace_in_another_pool_of_ours_on_a_side_stream_keeps_them_all():
     assert driver.blas_releases == 0
 
 
-def test_a_stream_that_had_its_workspace_outside_before_capture_keeps_them_all():
+def test_before_the_first_capture_workspaces_made_outside_are_made_again_in_the_pool():
+    """A pooled stream used before, outside every pool: no graph exists yet, so
+    its workspaces are dropped and made again in the graph pool."""
     driver, manager = make()
     driver.current_stream = CAPTURE_STREAM
-    driver.create_blas_workspaces()  # a pooled stream used before, outside every pool
+    driver.create_blas_workspaces()
+    outside = driver.workspaces[CAPTURE_STREAM]["blas"]
+    manager.create_blas_workspaces_in_graph_pool()
+    assert driver.workspaces[CAPTURE_STREAM]["blas"] in graph_pool_segments(manager)
+    assert all(address != outside for address, _, _ in driver.outside_segments)
+    driver.current_stream = 0
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == FIRST_CAPTURE + 1
+
+
+def test_once_a_graph_exists_a_stream_with_its_workspace_outside_keeps_them_all():
+    driver, manager = make()
+    capture_stream_workspaces(driver, manager)  # the first capture: a graph now exists
+    driver.current_stream = CAPTURE_STREAM + 1
+    driver.create_blas_workspaces()  # another pooled stream, used eagerly, outside
     manager.create_blas_workspaces_in_graph_pool()  # finds them made: nothing moves
     driver.current_stream = 0
     manager.sleep(offload_tags=("cudagraph",))
-    assert driver.blas_releases == 0
+    assert driver.blas_releases == FIRST_CAPTURE
+
+
+def test_the_profiling_graphs_side_stream_workspace_is_gone_by_the_first_capture(caplog):
+    """Model runner V1 captures throwaway graphs outside our pools on a side
+    stream first (Qwen3-MoE, run 5: 32 MiB kept every workspace resident)."""
+    driver, manager = make()
+    driver.current_stream = PROFILING_STREAM
+    driver.create_blas_workspaces()
+    capture_stream_workspaces(driver, manager)
+    assert PROFILING_STREAM not in driver.workspaces
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("cudagraph",))
+    assert "cuBLAS workspaces released" in caplog.text
+
+
+def test_a_side_stream_the_graphs_fork_onto_gets_its_workspaces_in_the_pool(caplog):
+    """DeepSeek-V2's shared experts run on vLLM's aux stream inside the graphs:
+    its workspace, made by the eager profile run, is made again in the pool."""
+    driver, manager = make()
+    driver.current_stream = AUX_STREAM
+    driver.create_blas_workspaces()
+    driver.current_stream = CAPTURE_STREAM
+    manager.create_blas_workspaces_in_graph_pool(side_streams=[AUX_STREAM])
+    assert driver.current_stream == CAPTURE_STREAM
+    for stream in (CAPTURE_STREAM, AUX_STREAM):
+        assert driver.workspaces[stream]["blas"] in graph_pool_segments(manager)
+    driver.current_stream = AUX_STREAM
+    driver.create_blas_workspaces()  # the warm-up's shared experts find them made
+    driver.current_stream = 0
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("cudagraph",))
+    assert "cuBLAS workspaces released" in caplog.text
+
+
+def test_a_side_stream_left_outside_keeps_them_all():
+    driver, manager = make()
+    driver.current_stream = AUX_STREAM
+    driver.create_blas_workspaces()
+    driver.current_stream = CAPTURE_STREAM
+    manager.create_blas_workspaces_in_graph_pool()  # vLLM's aux stream not passed
+    driver.current_stream = AUX_STREAM
+    driver.create_blas_workspaces()  # the warm-up: made again, outside every pool
+    driver.current_stream = 0
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == FIRST_CAPTURE
+
+
+def test_a_cached_segment_with_nothing_in_use_on_another_stream_holds_no_workspace():
+    driver, manager = make()
+    capture_stream_workspaces(driver, manager)
+    driver.outside_segments.append((0x1234000, PROFILING_STREAM, 0))
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == FIRST_CAPTURE + 1
 
 
 def test_a_next_engine_capturing_on_the_same_stream_gets_workspaces_in_its_own_pool():
@@ -167,7 +240,8 @@ def test_a_next_engine_capturing_on_the_same_stream_gets_workspaces_in_its_own_p
     second = capture_stream_workspaces(driver, manager)  # a pooled stream comes back
     assert second["blas"] in graph_pool_segments(manager)
     manager.sleep(offload_tags=("cudagraph",))
-    assert driver.blas_releases == 2  # shutdown, then this sleep
+    # Each engine's first capture, shutdown, then this sleep.
+    assert driver.blas_releases == 2 * FIRST_CAPTURE + 2
 
 
 def test_a_trusted_stream_where_torch_later_made_more_outside_is_no_longer_trusted():
@@ -179,16 +253,16 @@ def test_a_trusted_stream_where_torch_later_made_more_outside_is_no_longer_trust
     driver.outside_segments.append((0x1234000, CAPTURE_STREAM, LT_WORKSPACE + 1024))
     manager.sleep(offload_tags=("cudagraph",))
     manager.wake_up()
-    assert driver.blas_releases == 1
+    assert driver.blas_releases == FIRST_CAPTURE + 1
     manager.sleep(offload_tags=("cudagraph",))  # nothing new there: released again
     manager.wake_up()
-    assert driver.blas_releases == 2
+    assert driver.blas_releases == FIRST_CAPTURE + 2
     driver.current_stream = CAPTURE_STREAM
     driver.create_blas_workspaces()  # eager work: new workspaces, outside the pool
     manager.create_blas_workspaces_in_graph_pool()  # a new capture finds them made
     driver.current_stream = 0
     manager.sleep(offload_tags=("cudagraph",))
-    assert driver.blas_releases == 2
+    assert driver.blas_releases == FIRST_CAPTURE + 2
 
 
 def test_a_failure_after_the_cublas_step_still_keeps_its_block_out_of_the_backup():
@@ -233,3 +307,22 @@ def test_graph_capture_makes_the_workspaces_only_where_captures_go_to_our_pools(
         assert context == "context"
     assert entered == ["context"]
     assert (CAPTURE_STREAM in driver.workspaces) is routes
+
+
+@pytest.mark.parametrize("aux", [AUX_STREAM, None])
+def test_graph_capture_passes_vllms_aux_stream_only_once_it_exists(monkeypatch, aux):
+    from vllm.utils import torch_utils
+
+    driver, manager = make()
+    monkeypatch.setattr(GraphSleepAllocator, "get_instance", classmethod(lambda cls: manager))
+    monkeypatch.setattr(config, "routes_to_pools", lambda: True)
+    monkeypatch.setattr(torch_utils, "_aux_stream", aux)
+
+    @contextmanager
+    def original(self, graph_capture_context=None):
+        driver.current_stream = CAPTURE_STREAM
+        yield graph_capture_context
+
+    with _wrap_graph_capture(original)(object()):
+        pass
+    assert set(driver.workspaces) == {CAPTURE_STREAM} | ({aux} if aux else set())

@@ -56,6 +56,24 @@ def test_the_poison_switch_fills_the_scratch_for_the_engine_tests(monkeypatch):
     assert bool((memory[AT + LIVE :] == POISON_BYTE).all())
 
 
+@pytest.mark.parametrize("poison", [True, False])
+def test_the_remap_poison_switch_fills_dropped_weights_but_not_the_kv_cache(monkeypatch, poison):
+    """Level 2 for the engine tests: a weight reload that misses a tensor must
+    show in the tokens, not read back the old bytes the fresh pages held."""
+    if poison:
+        monkeypatch.setenv("VLLM_GRAPH_SLEEP_POISON_REMAPPED", "1")
+    driver, manager, _ = graph_pool_segment()
+    made = {}
+    for tag in ("weights", "kv_cache"):
+        with manager.allocation_tag(tag):
+            made[tag] = driver.malloc(PAGE)
+        driver.write(made[tag], 3)
+    manager.sleep(offload_tags=("cudagraph",))  # level 2: weights and KV dropped
+    manager.wake_up()
+    assert bool((driver.read(made["weights"]) == (POISON_BYTE if poison else STALE_BYTE)).all())
+    assert bool((driver.read(made["kv_cache"]) == STALE_BYTE).all())
+
+
 def test_the_whole_pool_is_backed_up_when_asked(monkeypatch):
     monkeypatch.setenv("VLLM_GRAPH_SLEEP_BACK_UP_WHOLE_GRAPH_POOL", "1")
     driver, manager, address = graph_pool_segment()

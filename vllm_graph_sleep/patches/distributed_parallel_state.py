@@ -15,6 +15,13 @@ sleep and wake with the graphs, and a sleep may drop torch's other workspaces
 (GraphSleepAllocator._release_blas_workspaces). Not while vLLM profiles graph
 memory (config.outside_pools): those graphs are thrown away.
 
+Also read: vllm.utils.torch_utils._aux_stream, the one side stream vLLM 0.26
+forks onto inside its graphs (MoE shared experts overlapping the router, e.g.
+DeepSeek-V2), made the first time a layer asks for it. Its workspaces are made
+in the graph pool too, or they stayed outside it and kept every workspace
+resident while asleep (32 MiB with DeepSeek-V2 on the H200, run 5). Read, not
+called: aux_stream() would make a stream nobody uses.
+
 Remove when: upstream vLLM makes capture-stream workspaces in its graph pool
 (not done as of the 0.33 graph-offload PRs #59160 / #59523).
 """
@@ -25,9 +32,22 @@ from contextlib import contextmanager
 
 from vllm_graph_sleep import config
 from vllm_graph_sleep.allocator import GraphSleepAllocator
-from vllm_graph_sleep.patches._wrap import require, wrap_function
+from vllm_graph_sleep.patches._wrap import (
+    VERIFIED_VLLM,
+    IncompatibleVllmError,
+    require,
+    vllm_version,
+    wrap_function,
+)
 
 WHERE = "vllm.distributed.parallel_state.GroupCoordinator"
+
+
+def _side_streams() -> list:
+    from vllm.utils import torch_utils
+
+    stream = torch_utils._aux_stream
+    return [] if stream is None else [stream]
 
 
 def _wrap_graph_capture(original):
@@ -35,7 +55,9 @@ def _wrap_graph_capture(original):
     def graph_capture(self, *args, **kwargs):
         with original(self, *args, **kwargs) as context:
             if config.routes_to_pools():
-                GraphSleepAllocator.get_instance().create_blas_workspaces_in_graph_pool()
+                GraphSleepAllocator.get_instance().create_blas_workspaces_in_graph_pool(
+                    side_streams=_side_streams()
+                )
             yield context
 
     return graph_capture
@@ -43,7 +65,13 @@ def _wrap_graph_capture(original):
 
 def apply() -> None:
     from vllm.distributed import parallel_state
+    from vllm.utils import torch_utils
 
+    if "_aux_stream" not in vars(torch_utils):
+        raise IncompatibleVllmError(
+            f"vllm-graph-sleep: vllm.utils.torch_utils._aux_stream not found in vLLM "
+            f"{vllm_version()} (verified against {VERIFIED_VLLM})"
+        )
     coordinator = require(parallel_state, "GroupCoordinator", where=WHERE)
     require(coordinator, "graph_capture", where=WHERE, parameters=("graph_capture_context",))
     wrap_function(coordinator, "graph_capture", _wrap_graph_capture, where=WHERE)

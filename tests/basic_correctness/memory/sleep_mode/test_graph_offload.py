@@ -5,7 +5,8 @@ Correctness is bit-exact greedy tokens after every wake, against the same
 engine before its first sleep. The graph-offload engines fill the graph
 scratch that sleep does not back up with 0xFF at every wake
 (VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH), so a graph that read memory it had not
-written would change the tokens.
+written would change the tokens; and the weights that level 2 dropped too
+(VLLM_GRAPH_SLEEP_POISON_REMAPPED), so a reload that missed a tensor would.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import pytest
 
 from tests.utils import fresh_process, requires_gpu
-from vllm_graph_sleep.allocator import POISON_GRAPH_SCRATCH_ENV
+from vllm_graph_sleep.allocator import POISON_GRAPH_SCRATCH_ENV, POISON_REMAPPED_ENV
 from vllm_graph_sleep.testing import (
     CYCLES,
     greedy_tokens,
@@ -54,7 +55,7 @@ V1_KINDS = {"qwen3_moe"}
 )
 @fresh_process
 def test_graphs_live_in_the_pool_and_tokens_survive_cycles(kind, mode):
-    os.environ[POISON_GRAPH_SCRATCH_ENV] = "1"
+    os.environ[POISON_GRAPH_SCRATCH_ENV] = os.environ[POISON_REMAPPED_ENV] = "1"
     llm = start_engine(kind, mode)
     awake = report(llm)
     assert awake["graph_offload_active"] and awake["allocator"] == "vllm_graph_sleep"
@@ -80,7 +81,7 @@ def test_drafter_graphs_live_in_the_pool_and_tokens_survive_cycles():
     """Speculative decoding with a draft model (model runner V1, which runs
     vLLM's draft_model method): the drafter's graphs are captured too, and must
     land in our pool like the target's."""
-    os.environ[POISON_GRAPH_SCRATCH_ENV] = "1"
+    os.environ[POISON_GRAPH_SCRATCH_ENV] = os.environ[POISON_REMAPPED_ENV] = "1"
     llm = start_engine(
         "llama",
         "full_and_piecewise",
