@@ -86,6 +86,7 @@ class FakeVmmDriver:
         self._freeable: list[list[int]] = []  # segment lists of dropped pools
         self.failures: dict[str, int] = {}  # call -> how many calls succeed before it fails
         self.stack_limits: dict[int, int] = {}  # device -> per-thread stack bytes
+        self.collections: list[bool] = []  # release_cached_memory calls: collected garbage?
 
     def fail(self, call: str, after: int = 0) -> None:
         """The (after+1)-th next call of `call` raises like the driver would."""
@@ -227,7 +228,8 @@ class FakeVmmDriver:
         if self.routing:
             raise AssertionError(f"{what} while pool {self.routing[0].id} is routed")
 
-    def release_cached_memory(self) -> None:
+    def release_cached_memory(self, collect_garbage: bool = True) -> None:
+        self.collections.append(collect_garbage)
         self._no_routing("empty_cache")
         for segments in self._freeable:
             self._release_free(segments)

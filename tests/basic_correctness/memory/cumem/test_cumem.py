@@ -740,15 +740,31 @@ CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory
 CUDA_ERROR_INVALID_VALUE = 1
 
 
+class PointerAttributes(ctypes.Structure):
+    """cudaPointerAttributes as of CUDA 12/13: 88 bytes with its reserved
+    words (https://docs.nvidia.com/cuda/cuda-runtime-api/structcudaPointerAttributes.html),
+    plus slack for fields a later runtime adds. A 64-byte buffer here let the
+    runtime write past it, and the test process crashed later (H200 run 6)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("device_pointer", ctypes.c_void_p),
+        ("host_pointer", ctypes.c_void_p),
+        ("reserved", ctypes.c_long * 8),
+        ("slack", ctypes.c_byte * 256),
+    ]
+
+
 def is_registered_host_memory(runtime: ctypes.CDLL, address: int) -> bool:
     """What the CUDA runtime says of `address`: page-locked host memory or not."""
-    attributes = (ctypes.c_int * 16)()  # cudaPointerAttributes starts with its type
-    error = runtime.cudaPointerGetAttributes(attributes, ctypes.c_void_p(address))
+    attributes = PointerAttributes()
+    error = runtime.cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(address))
     if error == CUDA_ERROR_INVALID_VALUE:  # how some runtimes answer for unknown memory
         runtime.cudaGetLastError()
         return False
     assert error == 0, f"cudaPointerGetAttributes failed: {error}"
-    return attributes[0] == CUDA_MEMORY_TYPE_HOST
+    return attributes.type == CUDA_MEMORY_TYPE_HOST
 
 
 @fresh_process
