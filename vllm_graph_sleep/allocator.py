@@ -313,8 +313,10 @@ class GraphSleepAllocator:
         if self._workspace_blocks:
             outcome = self._release_blas_workspaces()
             logger.debug("graph-sleep: at shutdown, %s", outcome)
-            self._trusted_streams.clear()
             self._workspace_blocks.clear()
+        # torch hands the same stream handles out again: a next engine's
+        # streams start untrusted, whatever this engine's were.
+        self._trusted_streams.clear()
         self._graph_pool = None
         self._driver.release_cached_memory()
         # This engine sleeps no more: the buffers kept for its next sleep go
@@ -375,12 +377,30 @@ class GraphSleepAllocator:
         stream of the model runner V1's throwaway profiling graphs (32 MiB
         that stayed resident on the H200 with Qwen3-MoE, run 5), is made again
         here or, on a stream no graph uses, left out of the graph pool."""
-        if self.release_blas_workspaces and not self._graph_pool_segments():
-            self._driver.release_blas_workspaces()
+        try:
+            if self.release_blas_workspaces and not self._graph_pool_segments():
+                self._driver.release_blas_workspaces()
+                # Nothing torch held is left to trust or to keep out of a backup.
+                self._trusted_streams.clear()
+                self._workspace_blocks.clear()
+        except Exception as error:
+            logger.warning(
+                "graph-sleep: torch's cuBLAS workspaces were not dropped before the first "
+                "capture: %s",
+                error,
+            )
         self._create_blas_workspaces_on(None)
         for stream in side_streams:
-            with self._driver.on_stream(stream):
-                self._create_blas_workspaces_on(stream)
+            try:
+                with self._driver.on_stream(stream):
+                    self._create_blas_workspaces_on(stream)
+            except Exception as error:
+                logger.warning(
+                    "graph-sleep: the cuBLAS workspaces of side stream %s stay outside the "
+                    "graph pool: %s",
+                    stream,
+                    error,
+                )
 
     def _graph_pool_segments(self) -> list[dict]:
         if self._graph_pool is None:

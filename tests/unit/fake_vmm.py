@@ -203,13 +203,17 @@ class FakeVmmDriver:
 
     def release_blas_workspaces(self) -> None:
         """torch._C._cuda_clearCublasWorkspaces: every workspace is freed; one
-        in a pool stays cached there, torch's own goes at empty_cache."""
+        in a pool stays cached there, torch's own stays cached with nothing in
+        use on its stream until empty_cache."""
         for made in self.workspaces.values():
             for address in made.values():
                 if address in self.memory:
                     self.tensor_dies(address)
                 else:
-                    self.outside_segments = [s for s in self.outside_segments if s[0] != address]
+                    self.outside_segments = [
+                        (a, stream, 0 if a == address else in_use)
+                        for a, stream, in_use in self.outside_segments
+                    ]
         self.workspaces.clear()
         self.blas_releases += 1
 
@@ -231,6 +235,7 @@ class FakeVmmDriver:
     def release_cached_memory(self, collect_garbage: bool = True) -> None:
         self.collections.append(collect_garbage)
         self._no_routing("empty_cache")
+        self.outside_segments = [s for s in self.outside_segments if s[2] > 0]
         for segments in self._freeable:
             self._release_free(segments)
         self._freeable = [segments for segments in self._freeable if segments]

@@ -162,7 +162,8 @@ def test_before_the_first_capture_workspaces_made_outside_are_made_again_in_the_
     outside = driver.workspaces[CAPTURE_STREAM]["blas"]
     manager.create_blas_workspaces_in_graph_pool()
     assert driver.workspaces[CAPTURE_STREAM]["blas"] in graph_pool_segments(manager)
-    assert all(address != outside for address, _, _ in driver.outside_segments)
+    # The old one's segment stays cached, with nothing in use, until empty_cache.
+    assert (outside, CAPTURE_STREAM, 0) in driver.outside_segments
     driver.current_stream = 0
     manager.sleep(offload_tags=("cudagraph",))
     assert driver.blas_releases == FIRST_CAPTURE + 1
@@ -244,6 +245,45 @@ def test_a_next_engine_capturing_on_the_same_stream_gets_workspaces_in_its_own_p
     assert driver.blas_releases == 2 * FIRST_CAPTURE + 2
 
 
+def test_a_next_engine_trusts_none_of_the_streams_an_earlier_one_trusted():
+    """torch hands stream handles out again. Here the next engine's capture
+    stream has the handle an earlier engine trusted, and a workspace made
+    eagerly outside every pool, in a segment that held as much at the earlier
+    engine's release: the growth check cannot tell."""
+    driver, manager = make()
+    capture_stream_workspaces(driver, manager)
+    leftover = (0x1234000, CAPTURE_STREAM, BLAS_WORKSPACE + LT_WORKSPACE)
+    driver.outside_segments.append(leftover)
+    manager.sleep(offload_tags=("cudagraph",))  # trusted; notes the leftover
+    manager.wake_up()
+    manager.release_pools()  # engine shutdown
+    releases = driver.blas_releases
+    with manager.cudagraph_pool() as pool, manager._routed_to(pool):
+        driver.malloc(PAGE)  # a drafter's graph from load_model: no first-capture drop
+    driver.workspaces[CAPTURE_STREAM] = {"blas": 0x1234000, "lt": 0x1234000 + BLAS_WORKSPACE}
+    driver.current_stream = CAPTURE_STREAM
+    manager.create_blas_workspaces_in_graph_pool()  # finds them made: nothing moves
+    driver.current_stream = 0
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == releases
+
+
+def test_a_failed_drop_before_the_first_capture_leaves_the_capture_to_go_on(caplog):
+    driver, manager = make()
+
+    def failing():
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    driver.release_blas_workspaces = failing
+    driver.current_stream = CAPTURE_STREAM
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        manager.create_blas_workspaces_in_graph_pool(side_streams=[AUX_STREAM])
+    assert "were not dropped before the first capture: CUDA error" in caplog.text
+    for stream in (CAPTURE_STREAM, AUX_STREAM):
+        assert driver.workspaces[stream]["blas"] in graph_pool_segments(manager)
+    assert driver.current_stream == CAPTURE_STREAM and not driver.routing
+
+
 def test_a_trusted_stream_where_torch_later_made_more_outside_is_no_longer_trusted():
     """After a release, eager cuBLAS work on the capture stream (torch hands
     stream handles out again) makes its workspaces outside the pool; a capture
@@ -309,14 +349,34 @@ def test_graph_capture_makes_the_workspaces_only_where_captures_go_to_our_pools(
     assert (CAPTURE_STREAM in driver.workspaces) is routes
 
 
-@pytest.mark.parametrize("aux", [AUX_STREAM, None])
-def test_graph_capture_passes_vllms_aux_stream_only_once_it_exists(monkeypatch, aux):
+class Platform:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def is_cuda(self) -> bool:
+        return self.cuda
+
+
+@pytest.mark.parametrize(
+    "aux,cuda,passed",
+    [
+        (AUX_STREAM, True, True),
+        (None, True, False),
+        # ROCm: vLLM makes the stream but runs shared experts without it.
+        (AUX_STREAM, False, False),
+    ],
+)
+def test_graph_capture_passes_vllms_aux_stream_once_it_exists_on_cuda(
+    monkeypatch, aux, cuda, passed
+):
+    import vllm.platforms as platforms
     from vllm.utils import torch_utils
 
     driver, manager = make()
     monkeypatch.setattr(GraphSleepAllocator, "get_instance", classmethod(lambda cls: manager))
     monkeypatch.setattr(config, "routes_to_pools", lambda: True)
     monkeypatch.setattr(torch_utils, "_aux_stream", aux)
+    monkeypatch.setattr(platforms, "_current_platform", Platform(cuda))
 
     @contextmanager
     def original(self, graph_capture_context=None):
@@ -325,4 +385,4 @@ def test_graph_capture_passes_vllms_aux_stream_only_once_it_exists(monkeypatch, 
 
     with _wrap_graph_capture(original)(object()):
         pass
-    assert set(driver.workspaces) == {CAPTURE_STREAM} | ({aux} if aux else set())
+    assert set(driver.workspaces) == {CAPTURE_STREAM} | ({AUX_STREAM} if passed else set())

@@ -15,12 +15,17 @@ sleep and wake with the graphs, and a sleep may drop torch's other workspaces
 (GraphSleepAllocator._release_blas_workspaces). Not while vLLM profiles graph
 memory (config.outside_pools): those graphs are thrown away.
 
-Also read: vllm.utils.torch_utils._aux_stream, the one side stream vLLM 0.26
-forks onto inside its graphs (MoE shared experts overlapping the router, e.g.
-DeepSeek-V2), made the first time a layer asks for it. Its workspaces are made
-in the graph pool too, or they stayed outside it and kept every workspace
-resident while asleep (32 MiB with DeepSeek-V2 on the H200, run 5). Read, not
-called: aux_stream() would make a stream nobody uses.
+Also read: vllm.utils.torch_utils._aux_stream, the side stream vLLM 0.26's MoE
+layers fork onto inside their graphs (shared experts overlapping the routed
+ones, e.g. DeepSeek-V2), made the first time a layer asks for it. Its
+workspaces are made in the graph pool too, or they stayed outside it and kept
+every workspace resident while asleep (32 MiB with DeepSeek-V2 on the H200,
+run 5). Read, not called: aux_stream() would make a stream nobody uses. Only
+on CUDA: vLLM makes the stream on ROCm too but runs shared experts there
+without it (SharedExperts._determine_shared_experts_order), and workspaces
+made for it would take graph-pool memory vLLM did not plan for. Other side
+streams (LoRA's, DeepSeek-V4's list) are not made in the pool: a workspace of
+theirs outside it keeps torch's workspaces resident, which is safe.
 
 Remove when: upstream vLLM makes capture-stream workspaces in its graph pool
 (not done as of the 0.33 graph-offload PRs #59160 / #59523).
@@ -44,10 +49,11 @@ WHERE = "vllm.distributed.parallel_state.GroupCoordinator"
 
 
 def _side_streams() -> list:
+    from vllm.platforms import current_platform
     from vllm.utils import torch_utils
 
     stream = torch_utils._aux_stream
-    return [] if stream is None else [stream]
+    return [stream] if stream is not None and current_platform.is_cuda() else []
 
 
 def _wrap_graph_capture(original):
