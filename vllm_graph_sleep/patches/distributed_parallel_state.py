@@ -17,7 +17,8 @@ memory (config.outside_pools): those graphs are thrown away.
 
 Also read: vllm.utils.torch_utils._aux_stream, the side stream vLLM 0.26's MoE
 layers fork onto inside their graphs (shared experts overlapping the routed
-ones, e.g. DeepSeek-V2), made the first time a layer asks for it. Its
+ones, e.g. DeepSeek-V2; the NVIDIA-only inkling models use it too), made the
+first time a layer asks for it. Its
 workspaces are made in the graph pool too, or they stayed outside it and kept
 every workspace resident while asleep (32 MiB with DeepSeek-V2 on the H200,
 run 5). Read, not called: aux_stream() would make a stream nobody uses. Only

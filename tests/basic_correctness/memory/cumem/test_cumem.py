@@ -325,10 +325,18 @@ def test_dropped_graph_pool_replays_when_the_graph_writes_all_it_reads():
 def test_a_side_stream_the_graph_forks_onto_gets_its_workspaces_in_the_pool_and_they_go():
     """vLLM's aux stream (MoE shared experts): eager work there before the first
     capture made its cuBLAS workspace outside every pool, as the capture
-    stream's warm-up did. What graph_capture does with offload on drops them
-    and makes both streams' in the graph pool, so a sleep can release torch's
-    workspaces, and the graph still replays exactly after every wake."""
+    stream's did. What graph_capture does with offload on drops them and makes
+    both streams' in the graph pool before the warm-up, which forks onto the
+    side stream eagerly (without that, its workspace would be made outside
+    again); a sleep can then release torch's workspaces, and the graph still
+    replays exactly after every wake."""
     alloc = manager()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.graph_sleep")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # its INFO lines, whatever this process set
     weight, x = matmul_operands(alloc)
     capture, side = torch.cuda.Stream(), torch.cuda.Stream()
     for stream in (capture, side):
@@ -336,36 +344,38 @@ def test_a_side_stream_the_graph_forks_onto_gets_its_workspaces_in_the_pool_and_
         with torch.cuda.stream(stream):
             torch.relu(x @ weight)
     torch.cuda.synchronize()
+
+    def forward():
+        routed = torch.relu(x @ weight)
+        side.wait_stream(capture)
+        with torch.cuda.stream(side):
+            shared = (x @ weight) * 2
+        capture.wait_stream(side)
+        return routed + shared
+
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(capture):
         alloc.create_blas_workspaces_in_graph_pool(side_streams=[side])
+        forward()  # the warm-up
         with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id, stream=capture):
-            routed = torch.relu(x @ weight)
-            side.wait_stream(capture)
-            with torch.cuda.stream(side):
-                shared = (x @ weight) * 2
-            capture.wait_stream(side)
-            out = routed + shared
+            out = forward()
+    assert {capture.cuda_stream, side.cuda_stream} <= alloc._trusted_streams.keys()
+    graph_segments = alloc._graph_pool_segments()
+    assert any(s["stream"] == side.cuda_stream and s["allocated_size"] > 0 for s in graph_segments)
     graph.replay()
     expected = torch.relu(x @ weight) + (x @ weight) * 2
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
-    graph_segments = {segment["address"] for segment in alloc._graph_pool_segments()}
+    in_graph_pool = {segment["address"] for segment in graph_segments}
     in_use_outside = [
         segment
         for segment in torch.cuda.memory_snapshot()
         if segment["stream"] in (capture.cuda_stream, side.cuda_stream)
-        and segment["address"] not in graph_segments
+        and segment["address"] not in in_graph_pool
         and segment["allocated_size"] > 0
     ]
     assert in_use_outside == []
 
-    lines: list[str] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("vllm.graph_sleep")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)  # its INFO lines, whatever this process set
     for _ in range(3):
         alloc.sleep(offload_tags=("weights",))
         with poisoned_remaps(alloc):
@@ -373,7 +383,12 @@ def test_a_side_stream_the_graph_forks_onto_gets_its_workspaces_in_the_pool_and_
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
-    sleeps = [line for line in lines if line.startswith("graph-sleep sleep:")]
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+    sleeps = [
+        r.getMessage()
+        for r in records
+        if r.levelno == logging.INFO and r.getMessage().startswith("graph-sleep sleep:")
+    ]
     assert len(sleeps) == 3 and all("cuBLAS workspaces released" in line for line in sleeps)
 
 
