@@ -692,10 +692,10 @@ class GraphSleepAllocator:
         state a backend built at capture, sglang PR #32718) keeps its backup.
         A wake with VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH=1 fills the rest with
         0xFF, and the engine tests check tokens against that."""
-        if self._graph_pool is None or self.whole_graph_pool_backup:
+        if self.whole_graph_pool_backup:
             return {}
         live = {}
-        for segment in self._graph_pool.snapshot(include_traces=False):
+        for segment in self._graph_pool_segments():
             base = segment["address"]
             live[base] = [
                 (block["address"] - base, block["size"])
@@ -848,9 +848,7 @@ class GraphSleepAllocator:
         """Tags everything in the graph pool "cudagraph", whatever tag was current
         when it was allocated (a capture outside `cudagraph_pool()`, e.g. a lazy
         one, still used this pool through the platform's global graph pool)."""
-        if self._graph_pool is None:
-            return
-        for segment in self._graph_pool.snapshot(include_traces=False):
+        for segment in self._graph_pool_segments():
             allocation = self.allocations.get(segment["address"])
             if allocation is not None:
                 allocation.tag = GRAPH_TAG

@@ -157,3 +157,22 @@ def test_an_import_hook_that_searches_again_still_gets_a_patched_module():
     (found by a profiling hook: our finder raised KeyError and the engine did
     not start) gets the module patched once."""
     assert _report_of(_NESTED_FINDER) == {"nested_search_ran": True, "patched": True}
+
+
+def test_require_counts_none_as_missing_unless_told_a_global_may_be_unset(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.utils import torch_utils
+
+    from vllm_graph_sleep.patches import distributed_parallel_state
+    from vllm_graph_sleep.patches._wrap import IncompatibleVllmError, require
+
+    owner = SimpleNamespace(unset=None)
+    with pytest.raises(IncompatibleVllmError, match=r"where\.unset not found in vLLM"):
+        require(owner, "unset", where="where")
+    assert require(owner, "unset", where="where", may_be_none=True) is None
+    with pytest.raises(IncompatibleVllmError, match=r"where\.absent not found in vLLM"):
+        require(owner, "absent", where="where", may_be_none=True)
+    monkeypatch.delattr(torch_utils, "_aux_stream")
+    with pytest.raises(IncompatibleVllmError, match=r"torch_utils\._aux_stream not found"):
+        distributed_parallel_state.apply()

@@ -21,15 +21,23 @@ class IncompatibleVllmError(RuntimeError):
     pass
 
 
-def require(owner: Any, name: str, *, where: str, parameters: tuple[str, ...] = ()) -> Any:
+def require(
+    owner: Any,
+    name: str,
+    *,
+    where: str,
+    parameters: tuple[str, ...] = (),
+    may_be_none: bool = False,
+) -> Any:
     """Returns owner.name, or raises naming the symbol and the vLLM version when it
-    is missing or lacks the parameters the patch relies on."""
-    target = getattr(owner, name, None)
-    if target is None:
+    is missing (None counts as missing unless `may_be_none`: a module global not
+    set yet) or lacks the parameters the patch relies on."""
+    if not hasattr(owner, name) or (getattr(owner, name) is None and not may_be_none):
         raise IncompatibleVllmError(
             f"vllm-graph-sleep: {where}.{name} not found in vLLM {vllm_version()} "
             f"(verified against {VERIFIED_VLLM})"
         )
+    target = getattr(owner, name)
     if parameters:
         original = getattr(target, _MARK, target)
         present = inspect.signature(original).parameters

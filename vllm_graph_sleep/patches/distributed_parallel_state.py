@@ -38,13 +38,7 @@ from contextlib import contextmanager
 
 from vllm_graph_sleep import config
 from vllm_graph_sleep.allocator import GraphSleepAllocator
-from vllm_graph_sleep.patches._wrap import (
-    VERIFIED_VLLM,
-    IncompatibleVllmError,
-    require,
-    vllm_version,
-    wrap_function,
-)
+from vllm_graph_sleep.patches._wrap import require, wrap_function
 
 WHERE = "vllm.distributed.parallel_state.GroupCoordinator"
 
@@ -74,11 +68,7 @@ def apply() -> None:
     from vllm.distributed import parallel_state
     from vllm.utils import torch_utils
 
-    if "_aux_stream" not in vars(torch_utils):
-        raise IncompatibleVllmError(
-            f"vllm-graph-sleep: vllm.utils.torch_utils._aux_stream not found in vLLM "
-            f"{vllm_version()} (verified against {VERIFIED_VLLM})"
-        )
+    require(torch_utils, "_aux_stream", where="vllm.utils.torch_utils", may_be_none=True)
     coordinator = require(parallel_state, "GroupCoordinator", where=WHERE)
     require(coordinator, "graph_capture", where=WHERE, parameters=("graph_capture_context",))
     wrap_function(coordinator, "graph_capture", _wrap_graph_capture, where=WHERE)
