@@ -148,13 +148,13 @@ class Scenario:
         server = Server(self.name, measured.command, measured.env, log)
         self._say(f"warm-up start {number} of {self.settings.warm_starts} (server log: {log})")
         try:
-            server.start(self.client.base_url)
-            seconds = server.wait_healthy(
+            seconds = server.start_to_health(
+                self.client.base_url,
                 self.settings.start_timeout,
                 lambda s: self._say(f"warm-up start: waiting for /health ... {s:.0f} s"),
             )
         finally:
-            self.record["server_exit_code"] = server.stop()
+            self.record["server_exit_code"] = server.exit_code()
             wait_released(self.memory, baseline, slack=256 * MiB, timeout=30)
         self._say(f"warm-up start healthy after {seconds:.1f} s")
         return seconds

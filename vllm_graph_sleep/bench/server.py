@@ -224,6 +224,17 @@ class Server:
                 next_note = now + 15
             time.sleep(0.5)
 
+    def start_to_health(
+        self, base_url: str, timeout: float, progress: Callable[[float], None] | None = None
+    ) -> float:
+        """Starts the server, waits for its first 200 on /health and stops it,
+        whatever happens (a warm-up start, a start round); the seconds to that 200."""
+        try:
+            self.start(base_url)
+            return self.wait_healthy(timeout, progress)
+        finally:
+            self.stop()
+
     def stop(self, timeout: float = 60.0) -> int | None:
         """Stops the server and everything it started; safe to call twice."""
         process = self.process

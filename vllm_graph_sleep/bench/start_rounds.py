@@ -73,9 +73,5 @@ def _start_once(
     port = free_port()
     log = Path(settings.out) / f"{name}.start-round-{number}.server.log"
     server = Server(name, command_for(name, results["model"], port, settings), server_env(env), log)
-    try:
-        server.start(f"http://127.0.0.1:{port}")
-        seconds = server.wait_healthy(settings.start_timeout)
-    finally:
-        server.stop()
+    seconds = server.start_to_health(f"http://127.0.0.1:{port}", settings.start_timeout)
     return {"start_s": round(seconds, 3), "engine_init": server.engine_init(), "log": str(log)}
