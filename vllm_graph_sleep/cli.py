@@ -235,7 +235,6 @@ def _sigterm_as_interrupt(signum, frame):
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    from vllm_graph_sleep.bench.report import not_exact
     from vllm_graph_sleep.bench.runner import BenchError, rerender, write_outputs
 
     if args.report is not None:
@@ -269,13 +268,42 @@ def bench_main(args: argparse.Namespace) -> int:
     table, json_path, png = write_outputs(results, settings.out)
     print(table)
     print(f"results: {json_path}\nplot:    {png}\nlogs:    {settings.out}/*.server.log")
+    return bench_verdict(results)
+
+
+def bench_verdict(results: dict) -> int:
+    """The exit status of a finished run: EXIT_NOT_EXACT when tokens after a wake
+    differ from the reference, saying which of those servers also differed from
+    themselves before any sleep, where a difference does not show corruption."""
+    from vllm_graph_sleep.bench.report import not_exact, not_repeatable
+
     differ = not_exact(results)
-    if differ:
-        return _fail(
-            f"tokens after wake differ from before the first sleep in: {', '.join(differ)}",
-            EXIT_NOT_EXACT,
+    unrepeatable = not_repeatable(results)
+    # Every wake of these gave the reference's tokens exactly: no sign of
+    # corruption, so they pass; but a later run of the same server may differ
+    # after a wake for no fault of sleep, and the reader should know that.
+    matched = [name for name in unrepeatable if name not in differ]
+    if matched:
+        print(
+            f"{PROG} bench: warning: {', '.join(matched)} gave different tokens for the same "
+            "prompts twice before any sleep (not deterministic on this model) but the same "
+            "after every wake; on such a server a difference after wake would not show "
+            "corruption by sleep",
+            file=sys.stderr,
+            flush=True,
         )
-    return 0
+    if not differ:
+        return 0
+    message = f"tokens after wake differ from before the first sleep in: {', '.join(differ)}"
+    also = [name for name in differ if name in unrepeatable]
+    if also:
+        message += (
+            f"; of these, {', '.join(also)} also gave different tokens for the same prompts "
+            "twice before any sleep (not deterministic on this model), so "
+            f"{'its' if len(also) == 1 else 'their'} differences after wake do not show "
+            "corruption by sleep"
+        )
+    return _fail(message, EXIT_NOT_EXACT)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     python fake_vllm_server.py --port P --config NAME --used-file PATH [--pressure-file PATH]
 
 It answers what the bench calls: /health, /v1/models, /v1/completions (greedy,
-with token ids), /sleep, /wake_up, /is_sleeping, /collective_rpc
+with token ids), /reset_prefix_cache, /sleep, /wake_up, /is_sleeping, /collective_rpc
 (graph_sleep_memory_report, reload_weights), and keeps a simulated "GPU used
 bytes" figure in --used-file, which the tests' fake NVML reads. The figures
 follow the memory layout of each configuration: stock keeps its graphs while
@@ -11,9 +11,12 @@ asleep, ours and eager do not.
 
 Level 2 discards the weights: until reload_weights runs, completions come out
 wrong, as they would on a real server. Environment switches for failure tests:
-FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_DIE_ON_SLEEP=1 (the
-process exits on the first /sleep), FAKE_START_DELAY=S (seconds before /health
-answers), FAKE_ENGINE_FAILS=1 (logs vLLM's engine start-up failure, then hangs).
+FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_NONDETERMINISTIC=1 (every
+completion differs from the one before, sleep or not: the last token of each
+prompt counts the completions, like a server that is not deterministic on its
+model), FAKE_DIE_ON_SLEEP=1 (the process exits on the first /sleep),
+FAKE_START_DELAY=S (seconds before /health answers), FAKE_ENGINE_FAILS=1 (logs
+vLLM's engine start-up failure, then hangs).
 
 With --pressure-file, the bytes written in that file are held by another process
 (tests/unit/fake_gpu_hog.py) on a GPU of TOTAL bytes: a wake whose memory does
@@ -57,6 +60,8 @@ class State:
         self.weights_valid = True
         self.level = 0
         self.corrupt = os.environ.get("FAKE_CORRUPT") == "1"
+        self.nondeterministic = os.environ.get("FAKE_NONDETERMINISTIC") == "1"
+        self.completions = 0
         self.woken_once = False
         # torch's pinned host allocator: blocks rounded up to powers of two, kept
         # for reuse, and the time spent pinning them.
@@ -170,6 +175,8 @@ class State:
         ids = [(seed[i % 32] * 31 + i * 7) % 4096 for i in range(count)]
         if not self.weights_valid or (self.corrupt and self.woken_once):
             ids = [(i + 1) % 4096 for i in ids]
+        if self.nondeterministic:
+            ids[-1] = (ids[-1] + self.completions) % 4096
         return ids
 
 
@@ -233,6 +240,9 @@ class Handler(BaseHTTPRequestHandler):
             assert body.get("return_token_ids") is True and body.get("temperature") == 0
             prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
             count = body["max_tokens"]
+            # The shape of each request, for the tests of how the bench asks.
+            sys.stdout.write(f"fake-vllm: completion of {len(prompts)} prompt(s)\n")
+            state.completions += 1
             time.sleep(0.002 + 0.0002 * count)
             choices = [
                 {"index": i, "text": f"<{i}>", "token_ids": state.tokens(p, count)}
@@ -240,6 +250,8 @@ class Handler(BaseHTTPRequestHandler):
             ]
             usage = {"completion_tokens": count * len(prompts)}
             self._send(200, {"choices": choices, "usage": usage})
+        elif url.path == "/reset_prefix_cache":
+            self._send(200, {"success": True})
         elif url.path == "/sleep":
             if os.environ.get("FAKE_DIE_ON_SLEEP") == "1":
                 sys.stdout.write("fake-vllm: dying on /sleep as asked\n")

@@ -6,7 +6,9 @@
   docs/results/sleep-memory-h200.json, not a measurement); the no-GPU exit (in a
   subprocess: one line, no traceback); and the whole driver loop against
   tests/unit/fake_vllm_server.py with a fake NVML, including a server that does
-  not start, one that dies, one that is never healthy and tokens that differ.
+  not start, one that dies, one that is never healthy, tokens that differ after
+  a wake, and a server that is not deterministic (it differs from itself before
+  any sleep, which the verdict names).
 - doctor: vLLM's own `vllm serve` parser with the plugin registered, judged for
   CUDA and ROCm plans and for the machine it runs on (no GPU here).
 """
@@ -15,9 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -27,8 +32,9 @@ from tests.unit import fake_aiter
 from tests.unit.fake_vllm_server import IDLE
 from vllm_graph_sleep import cli, config, doctor
 from vllm_graph_sleep.bench import floor, gpu, report, runner
+from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.plot import write_plot
-from vllm_graph_sleep.bench.server import PROBE_EXTENSION, serve_command, server_env
+from vllm_graph_sleep.bench.server import PROBE_EXTENSION, ServerError, serve_command, server_env
 from vllm_graph_sleep.bench.settings import BenchSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -222,6 +228,12 @@ def recorded() -> dict:
     return report.read_json(FIXTURE)
 
 
+def table_row(out: str, label: str) -> list[str]:
+    """The cells after `label` in the printed table, split at spaces."""
+    line = next(line for line in out.splitlines() if line.startswith(label))
+    return line[len(label) :].split()
+
+
 def test_summary_of_recorded_data(recorded):
     summary = report.summarize_all(recorded)
     assert list(summary) == ["ours", "stock_graphs", "stock_eager"]
@@ -247,6 +259,9 @@ def test_table_of_recorded_data(recorded):
     assert "1104 (0.88x)" in row and "964 (0.77x)" in row
     assert "tag cudagraph, awake (MiB)" in table
     assert "bit-exact after wake" in table and "4/4" in table
+    # Recorded before the bench repeated its reference: no row, as such files always showed.
+    assert "same tokens twice before any sleep" not in table
+    assert report.not_repeatable(recorded) == []
     assert "ratios: against stock, graphs" in table
     assert report.not_exact(recorded) == []
 
@@ -258,6 +273,46 @@ def test_table_ratios_fall_back_to_stock_eager_and_flag_differences(recorded):
     assert "ratios: against stock, eager" in table
     assert "3/4 DIFFER" in table
     assert report.not_exact(recorded) == ["ours"]
+
+
+def differs_from_itself(record: dict) -> None:
+    mismatch = {"prompt": 0, "first_token": 18, "got": []}
+    record["reference_repeat"] = {"bit_exact": False, "mismatch": mismatch}
+
+
+def test_a_server_that_differs_from_itself_but_not_after_a_wake_passes_with_a_warning(
+    recorded, capsys
+):
+    ours, stock_graphs, _ = recorded["configs"]
+    ours["reference_repeat"] = {"bit_exact": True}
+    differs_from_itself(stock_graphs)
+    table = report.format_table(recorded)
+    assert table_row(table, "same tokens twice before any sleep") == ["yes", "NO", "-"]
+    assert report.not_repeatable(recorded) == ["stock_graphs"]
+    assert cli.bench_verdict(recorded) == 0
+    assert capsys.readouterr().err == (
+        "vllm-graph-sleep bench: warning: stock_graphs gave different tokens for the same "
+        "prompts twice before any sleep (not deterministic on this model) but the same after "
+        "every wake; on such a server a difference after wake would not show corruption by "
+        "sleep\n"
+    )
+
+
+def test_the_verdict_names_only_the_servers_that_differ_from_themselves(recorded, capsys):
+    ours, stock_graphs, _ = recorded["configs"]
+    ours["reference_repeat"] = {"bit_exact": True}
+    differs_from_itself(stock_graphs)
+    for record in (ours, stock_graphs):
+        record["steps"][0]["bit_exact"] = False
+    assert cli.bench_verdict(recorded) == cli.EXIT_NOT_EXACT
+    err = capsys.readouterr().err
+    assert "warning" not in err
+    assert _failure_line(err) == (
+        "vllm-graph-sleep bench: tokens after wake differ from before the first sleep in: "
+        "ours, stock_graphs; of these, stock_graphs also gave different tokens for the same "
+        "prompts twice before any sleep (not deterministic on this model), so its differences "
+        "after wake do not show corruption by sleep"
+    )
 
 
 def test_plot_of_recorded_data(recorded, tmp_path):
@@ -431,6 +486,8 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     captured = capsys.readouterr()
     assert "asleep L1, over idle GPU (MiB)" in captured.out
     assert "[ours] 4/4 level 2, staged wake" in captured.err  # progress
+    assert "[stock_eager] reference tokens repeat before any sleep: yes" in captured.err
+    assert table_row(captured.out, "same tokens twice before any sleep") == ["yes"] * 3
     assert "  measured again, still before (tok/s)" in captured.out
     results = json.loads((out / "results.json").read_text())
     assert results["schema"] == report.SCHEMA
@@ -444,6 +501,17 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
             (2, "staged"),
         ]
         assert all(s["bit_exact"] and s["is_sleeping_asleep"] for s in record["steps"])
+        # The reference and its repeat each ran after a prefix cache reset, as after a wake.
+        assert record["reference_repeat"] == {"bit_exact": True}
+        assert record["prefix_cache_reset"] == {"before_reference": True, "before_repeat": True}
+        server_log = (out / f"{record['config']}.server.log").read_text()
+        assert server_log.count('"POST /reset_prefix_cache ') == 2
+        # Only the warm-up sends every prompt in one request; the reference, its repeat,
+        # the check after each of the 4 wakes (and decode) send one request per prompt.
+        shapes = re.findall(r"completion of (\d+) prompt", server_log)
+        prompts = len(results["settings"]["prompts"])
+        assert shapes[0] == str(prompts) and set(shapes[1:]) == {"1"}
+        assert len(shapes) - 1 >= (2 + 4) * prompts
         assert record["decode_before_again"]["tokens_per_s"] > 0
         assert not any(s["is_sleeping_awake"] for s in record["steps"])
         assert all(s["is_sleeping_staged"] for s in record["steps"] if s["wake"] == "staged")
@@ -487,6 +555,43 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     assert stacks == [0, 264 * MiB, 264 * MiB]
     assert (out / "memory.png").stat().st_size > 20_000
     assert (out / "table.txt").read_text() in captured.out
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "answer"),
+    [
+        (200, b'{"success": true}', True),
+        (200, b'{"success": false}', False),  # vLLM still held blocks
+        (404, b'{"detail": "Not Found"}', "POST /reset_prefix_cache answered 404"),
+        (200, b"", 'POST /reset_prefix_cache answered None, not {"success": ...}'),
+    ],
+)
+def test_client_reset_prefix_cache(status, body, answer):
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            assert self.path == "/reset_prefix_cache"
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = Client(f"http://127.0.0.1:{server.server_port}", "ours", lambda: "server log: x")
+        if isinstance(answer, bool):
+            assert client.reset_prefix_cache() is answer
+        else:
+            with pytest.raises(ServerError, match=answer) as raised:
+                client.reset_prefix_cache()
+            assert str(raised.value).startswith("[ours] ")
+            assert str(raised.value).endswith("; server log: x")
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_engine_init_is_read_from_vllms_log_the_slowest_core_counts(tmp_path):
@@ -612,7 +717,10 @@ def test_bench_without_start_rounds_shows_no_alternating_rows(fake_bench, capsys
 
 
 def _one_line_failure(capsys) -> str:
-    err = capsys.readouterr().err
+    return _failure_line(capsys.readouterr().err)
+
+
+def _failure_line(err: str) -> str:
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("vllm-graph-sleep bench: ")
@@ -677,10 +785,40 @@ def test_bench_tokens_that_differ_fail_the_run(fake_bench, monkeypatch, capsys):
     argv, out = fake_bench
     monkeypatch.setenv("FAKE_CORRUPT", "1")
     assert cli.main([*argv, "--configs", "ours", "--levels", "1"]) == cli.EXIT_NOT_EXACT
-    line = _one_line_failure(capsys)
+    printed = capsys.readouterr()
+    assert table_row(printed.out, "same tokens twice before any sleep") == ["yes"]
+    assert "warning" not in printed.err
+    line = _failure_line(printed.err)
     assert line.endswith("differ from before the first sleep in: ours")
-    step = json.loads((out / "results.json").read_text())["configs"][0]["steps"][0]
+    record = json.loads((out / "results.json").read_text())["configs"][0]
+    assert record["reference_repeat"] == {"bit_exact": True}
+    step = record["steps"][0]
     assert step["bit_exact"] is False and step["mismatch"]["first_token"] == 0
+
+
+def test_bench_server_that_is_not_deterministic_is_named_in_the_verdict(
+    fake_bench, monkeypatch, capsys
+):
+    argv, out = fake_bench
+    monkeypatch.setenv("FAKE_NONDETERMINISTIC", "1")
+    argv += ["--configs", "ours", "stock_graphs", "--levels", "1", "--no-floor"]
+    assert cli.main(argv) == cli.EXIT_NOT_EXACT
+    printed = capsys.readouterr()
+    assert "[ours] reference tokens repeat before any sleep: NO (prompt 0, token 3)" in printed.err
+    assert table_row(printed.out, "same tokens twice before any sleep") == ["NO", "NO"]
+    assert table_row(printed.out, "bit-exact after wake") == ["0/2", "DIFFER", "0/2", "DIFFER"]
+    line = _failure_line(printed.err)
+    assert line.endswith(
+        "differ from before the first sleep in: ours, stock_graphs; of these, ours, "
+        "stock_graphs also gave different tokens for the same prompts twice before any sleep "
+        "(not deterministic on this model), so their differences after wake do not show "
+        "corruption by sleep"
+    )
+    for record in json.loads((out / "results.json").read_text())["configs"]:
+        assert record["reference_repeat"]["bit_exact"] is False
+        assert record["reference_repeat"]["mismatch"]["first_token"] == 3
+        # Still as strict after a wake: every step against the reference.
+        assert not any(step["bit_exact"] for step in record["steps"])
 
 
 # -- doctor ----------------------------------------------------------------------------

@@ -126,6 +126,35 @@ class Client:
         usage = answer.get("usage") or {}
         return Completion(token_ids, texts, int(usage.get("completion_tokens", 0)), seconds)
 
+    def complete_one_at_a_time(self, prompts: Sequence[str], max_tokens: int) -> Completion:
+        """`complete`, one request per prompt, each after the last one finished.
+
+        The prompts of one request reach vLLM's engine core as separate requests,
+        and how many of them the next step takes depends on when they arrive: so
+        the shapes of the batches, the kernels picked for them and, on a model
+        with near-ties between its top logits, the tokens change from run to run
+        (an 8B-class random Llama did, stock vLLM too, H200 run 7). One prompt at
+        a time, every step has the same shape in every run."""
+        parts = [self.complete([prompt], max_tokens) for prompt in prompts]
+        return Completion(
+            token_ids=[ids for part in parts for ids in part.token_ids],
+            texts=[text for part in parts for text in part.texts],
+            completion_tokens=sum(part.completion_tokens for part in parts),
+            seconds=sum(part.seconds for part in parts),
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties vLLM's prefix cache (a dev-mode route); False when vLLM could
+        not, because blocks were still held."""
+        answer = self._request("POST", "/reset_prefix_cache")
+        try:
+            return bool(answer["success"])
+        except (TypeError, KeyError):
+            raise ServerError(
+                f"[{self.name}] POST /reset_prefix_cache answered {answer!r}, not "
+                f'{{"success": ...}}; {self._where()}'
+            ) from None
+
     # -- sleep mode -------------------------------------------------------
 
     def sleep(self, level: int) -> float:

@@ -123,6 +123,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             "after": (record.get("decode_after") or {}).get("tokens_per_s"),
         },
         exact=[sum(1 for s in steps if s.get("bit_exact")), len(steps)],
+        # None in files written before the bench took a second completion.
+        repeats_before_sleep=(record.get("reference_repeat") or {}).get("bit_exact"),
     )
     return summary
 
@@ -254,6 +256,14 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[str]], str
         good, total = summaries[name]["exact"]
         exact.append(f"{good}/{total}" + ("" if good == total else " DIFFER"))
     lines.append(exact)
+    repeats = [summaries[name]["repeats_before_sleep"] for name in names]
+    if any(repeat is not None for repeat in repeats):  # older files render as they did
+        lines.append(
+            [
+                "same tokens twice before any sleep",
+                *("-" if repeat is None else "yes" if repeat else "NO" for repeat in repeats),
+            ]
+        )
     return names, lines, baseline
 
 
@@ -323,6 +333,16 @@ def not_exact(results: dict[str, Any]) -> list[str]:
         if good != total:
             names.append(name)
     return names
+
+
+def not_repeatable(results: dict[str, Any]) -> list[str]:
+    """Configurations that gave different tokens for the same prompts twice
+    before any sleep (not deterministic on this model)."""
+    return [
+        name
+        for name, summary in summarize_all(results).items()
+        if summary["repeats_before_sleep"] is False
+    ]
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:

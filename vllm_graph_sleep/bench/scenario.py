@@ -3,14 +3,17 @@
 Order: baseline memory (before the server), warm-up starts (the same server
 started to /health and stopped, --warm-starts times, so that the measured start
 finds its compile caches warm), start and /health (engine start time), a
-warm-up completion, reference tokens, decode speed, awake memory and probe
-report, then for every (cycle, level, wake mode): sleep, /is_sleeping, asleep memory and
-report, wake (full, or staged: weights, then kv_cache; level 2 reloads the
-weights after the weights are back), /is_sleeping, completions compared token by
-token with the reference; then decode speed again (it is measured twice before
-the first sleep, so the change after the wakes can be read against how far two
-measurements of the same server differ). The server is stopped
-whatever happens, and the memory it held is waited for before returning.
+warm-up completion of all prompts in one request, reference tokens and the same
+completion once more (one request per prompt, each set after a prefix cache
+reset: whether the server gives the same tokens twice before any sleep), decode
+speed, awake memory and probe report, then for every (cycle, level, wake mode):
+sleep, /is_sleeping, asleep memory and report, wake (full, or staged: weights,
+then kv_cache; level 2 reloads the weights after the weights are back),
+/is_sleeping, completions (one request per prompt) compared token by token with
+the reference; then decode speed again (it is measured twice before the first
+sleep, so the change after the wakes can be read against how far two
+measurements of the same server differ). The server is stopped whatever
+happens, and the memory it held is waited for before returning.
 """
 
 from __future__ import annotations
@@ -69,6 +72,16 @@ def _compare(reference: Completion, now: Completion) -> dict[str, Any]:
                 result["mismatch"] = {"prompt": index, "first_token": first, "got": got[:64]}
                 break
     return result
+
+
+def _yes_or_where(comparison: dict[str, Any]) -> str:
+    """A comparison of `_compare` in words: "yes", or "NO" and where it differs."""
+    if comparison["bit_exact"]:
+        return "yes"
+    mismatch = comparison.get("mismatch")
+    return (
+        f"NO (prompt {mismatch['prompt']}, token {mismatch['first_token']})" if mismatch else "NO"
+    )
 
 
 class Scenario:
@@ -163,8 +176,18 @@ class Scenario:
         client, settings, record = self.client, self.settings, self.record
         record["model_id"] = client.served_model()
         client.complete(PROMPTS, settings.max_tokens)  # warm-up, not measured
-        reference = client.complete(PROMPTS, settings.max_tokens)
+        # vLLM empties its prefix cache at every sleep, so every completion after a
+        # wake runs without it: the reference and its repeat do the same.
+        resets = record["prefix_cache_reset"] = {"before_reference": self._reset_prefix_cache()}
+        reference = client.complete_one_at_a_time(PROMPTS, settings.max_tokens)
         record["reference"] = {"token_ids": reference.token_ids, "texts": reference.texts}
+        # The same prompts again before any sleep: a server that differs from
+        # itself here cannot show, by differing after a wake, that sleep broke it.
+        resets["before_repeat"] = self._reset_prefix_cache()
+        repeat = record["reference_repeat"] = _compare(
+            reference, client.complete_one_at_a_time(PROMPTS, settings.max_tokens)
+        )
+        self._say(f"reference tokens repeat before any sleep: {_yes_or_where(repeat)}")
         record["decode_before"] = measure_decode(client, settings)
         # The same measurement again before any sleep: how far two measurements
         # of one server differ, against which the change after the wakes is read.
@@ -192,6 +215,14 @@ class Scenario:
         )
         record["final_used_bytes"] = settle(self.memory)
 
+    def _reset_prefix_cache(self) -> bool:
+        reset = self.client.reset_prefix_cache()
+        if not reset:
+            self._say(
+                "prefix cache not reset (vLLM still held blocks): the next completion may use it"
+            )
+        return reset
+
     def _step(self, cycle: int, level: int, wake: str, reference: Completion) -> dict[str, Any]:
         client = self.client
         step: dict[str, Any] = {"cycle": cycle, "level": level, "wake": wake}
@@ -218,5 +249,6 @@ class Scenario:
         step["reload_s"] = sum(p["s"] for p in parts if p["what"] == "reload_weights")
         step["is_sleeping_awake"] = client.is_sleeping()
         step["awake_used_bytes"] = settle(self.memory)
-        step.update(_compare(reference, client.complete(PROMPTS, self.settings.max_tokens)))
+        now = client.complete_one_at_a_time(PROMPTS, self.settings.max_tokens)
+        step.update(_compare(reference, now))
         return step
