@@ -14,7 +14,9 @@ wrong, as they would on a real server. Environment switches for failure tests:
 FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_NONDETERMINISTIC=1 (every
 completion differs from the one before, sleep or not: the last token of each
 prompt counts the completions, like a server that is not deterministic on its
-model), FAKE_DIE_ON_SLEEP=1 (the process exits on the first /sleep),
+model), FAKE_RESETS_REFUSED=N (the first N /reset_prefix_cache answer
+success false, as vLLM does while blocks are held), FAKE_DIE_ON_SLEEP=1 (the
+process exits on the first /sleep),
 FAKE_START_DELAY=S (seconds before /health answers), FAKE_ENGINE_FAILS=1 (logs
 vLLM's engine start-up failure, then hangs).
 
@@ -62,6 +64,8 @@ class State:
         self.corrupt = os.environ.get("FAKE_CORRUPT") == "1"
         self.nondeterministic = os.environ.get("FAKE_NONDETERMINISTIC") == "1"
         self.completions = 0
+        self.resets_to_refuse = int(os.environ.get("FAKE_RESETS_REFUSED", "0"))
+        self.reset_requests = 0
         self.woken_once = False
         # torch's pinned host allocator: blocks rounded up to powers of two, kept
         # for reuse, and the time spent pinning them.
@@ -251,7 +255,8 @@ class Handler(BaseHTTPRequestHandler):
             usage = {"completion_tokens": count * len(prompts)}
             self._send(200, {"choices": choices, "usage": usage})
         elif url.path == "/reset_prefix_cache":
-            self._send(200, {"success": True})
+            state.reset_requests += 1
+            self._send(200, {"success": state.reset_requests > state.resets_to_refuse})
         elif url.path == "/sleep":
             if os.environ.get("FAKE_DIE_ON_SLEEP") == "1":
                 sys.stdout.write("fake-vllm: dying on /sleep as asked\n")

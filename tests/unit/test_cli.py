@@ -821,6 +821,32 @@ def test_bench_server_that_is_not_deterministic_is_named_in_the_verdict(
         assert not any(step["bit_exact"] for step in record["steps"])
 
 
+@pytest.mark.parametrize("refused", [2, 100])
+def test_a_refused_prefix_cache_reset_is_retried_then_said(
+    fake_bench, monkeypatch, capsys, refused
+):
+    """vLLM refuses a reset while blocks are held: the bench asks again, and says
+    so when it never got one."""
+    from vllm_graph_sleep.bench import scenario
+
+    argv, out = fake_bench
+    monkeypatch.setattr(scenario, "PREFIX_CACHE_RESET_RETRY_S", 0.0)
+    monkeypatch.setenv("FAKE_RESETS_REFUSED", str(refused))
+    argv += ["--configs", "ours", "--levels", "1", "--no-floor"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().err
+    record = json.loads((out / "results.json").read_text())["configs"][0]
+    asks = (out / "ours.server.log").read_text().count('"POST /reset_prefix_cache ')
+    attempts = scenario.PREFIX_CACHE_RESET_ATTEMPTS
+    if refused < attempts:
+        assert record["prefix_cache_reset"] == {"before_reference": True, "before_repeat": True}
+        assert asks == refused + 2 and "prefix cache not reset" not in printed
+    else:
+        assert record["prefix_cache_reset"] == {"before_reference": False, "before_repeat": False}
+        assert asks == 2 * attempts
+        assert f"prefix cache not reset after {attempts} attempts" in printed
+
+
 # -- doctor ----------------------------------------------------------------------------
 
 

@@ -132,9 +132,10 @@ class Client:
         The prompts of one request reach vLLM's engine core as separate requests,
         and how many of them the next step takes depends on when they arrive: so
         the shapes of the batches, the kernels picked for them and, on a model
-        with near-ties between its top logits, the tokens change from run to run
-        (an 8B-class random Llama did, stock vLLM too, H200 run 7). One prompt at
-        a time, every step has the same shape in every run."""
+        with near-ties between its top logits, the tokens can change from run to
+        run (suspected after stock vLLM too differed after wakes on an 8B-class
+        random Llama, H200 run 7). One prompt at a time, every step has the same
+        shape in every run."""
         parts = [self.complete([prompt], max_tokens) for prompt in prompts]
         return Completion(
             token_ids=[ids for part in parts for ids in part.token_ids],

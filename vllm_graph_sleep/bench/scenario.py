@@ -74,6 +74,11 @@ def _compare(reference: Completion, now: Completion) -> dict[str, Any]:
     return result
 
 
+#: How often, and how far apart, the bench asks vLLM to empty its prefix cache.
+PREFIX_CACHE_RESET_ATTEMPTS = 5
+PREFIX_CACHE_RESET_RETRY_S = 0.2
+
+
 def _yes_or_where(comparison: dict[str, Any]) -> str:
     """A comparison of `_compare` in words: "yes", or "NO" and where it differs."""
     if comparison["bit_exact"]:
@@ -216,12 +221,18 @@ class Scenario:
         record["final_used_bytes"] = settle(self.memory)
 
     def _reset_prefix_cache(self) -> bool:
-        reset = self.client.reset_prefix_cache()
-        if not reset:
-            self._say(
-                "prefix cache not reset (vLLM still held blocks): the next completion may use it"
-            )
-        return reset
+        # vLLM refuses while blocks are still held, e.g. by a request it is still
+        # finishing after answering it; its route asks callers to retry.
+        for attempt in range(PREFIX_CACHE_RESET_ATTEMPTS):
+            if self.client.reset_prefix_cache():
+                return True
+            if attempt + 1 < PREFIX_CACHE_RESET_ATTEMPTS:
+                time.sleep(PREFIX_CACHE_RESET_RETRY_S)
+        self._say(
+            f"prefix cache not reset after {PREFIX_CACHE_RESET_ATTEMPTS} attempts (vLLM still "
+            "held blocks): the next completion may use it"
+        )
+        return False
 
     def _step(self, cycle: int, level: int, wake: str, reference: Completion) -> dict[str, Any]:
         client = self.client
