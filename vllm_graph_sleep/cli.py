@@ -274,7 +274,7 @@ def bench_main(args: argparse.Namespace) -> int:
 def bench_verdict(results: dict) -> int:
     """The exit status of a finished run: EXIT_NOT_EXACT when tokens after a wake
     differ from the reference, saying which of those servers also differed from
-    themselves before any sleep, where a difference does not show corruption."""
+    themselves before any sleep, where a difference neither shows nor rules out corruption."""
     from vllm_graph_sleep.bench.report import not_exact, not_repeatable
 
     differ = not_exact(results)
@@ -300,8 +300,8 @@ def bench_verdict(results: dict) -> int:
         message += (
             f"; of these, {', '.join(also)} also gave different tokens for the same prompts "
             "twice before any sleep (not deterministic on this model), so "
-            f"{'its' if len(also) == 1 else 'their'} differences after wake do not show "
-            "corruption by sleep"
+            f"{'its' if len(also) == 1 else 'their'} differences after wake neither show nor "
+            "rule out corruption by sleep"
         )
     return _fail(message, EXIT_NOT_EXACT)
 

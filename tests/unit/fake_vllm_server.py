@@ -14,11 +14,10 @@ wrong, as they would on a real server. Environment switches for failure tests:
 FAKE_CORRUPT=1 (tokens differ after every wake), FAKE_NONDETERMINISTIC=1 (every
 completion differs from the one before, sleep or not: the last token of each
 prompt counts the completions, like a server that is not deterministic on its
-model), FAKE_RESETS_REFUSED=N (the first N /reset_prefix_cache answer
-success false, as vLLM does while blocks are held), FAKE_DIE_ON_SLEEP=1 (the
-process exits on the first /sleep),
-FAKE_START_DELAY=S (seconds before /health answers), FAKE_ENGINE_FAILS=1 (logs
-vLLM's engine start-up failure, then hangs).
+model), FAKE_RESETS_REFUSED=N (the first N /reset_prefix_cache answer success
+false, as vLLM does while blocks are held), FAKE_DIE_ON_SLEEP=1 (the process
+exits on the first /sleep), FAKE_START_DELAY=S (seconds before /health
+answers), FAKE_ENGINE_FAILS=1 (logs vLLM's engine start-up failure, then hangs).
 
 With --pressure-file, the bytes written in that file are held by another process
 (tests/unit/fake_gpu_hog.py) on a GPU of TOTAL bytes: a wake whose memory does

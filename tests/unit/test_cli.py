@@ -311,7 +311,7 @@ def test_the_verdict_names_only_the_servers_that_differ_from_themselves(recorded
         "vllm-graph-sleep bench: tokens after wake differ from before the first sleep in: "
         "ours, stock_graphs; of these, stock_graphs also gave different tokens for the same "
         "prompts twice before any sleep (not deterministic on this model), so its differences "
-        "after wake do not show corruption by sleep"
+        "after wake neither show nor rule out corruption by sleep"
     )
 
 
@@ -811,8 +811,8 @@ def test_bench_server_that_is_not_deterministic_is_named_in_the_verdict(
     assert line.endswith(
         "differ from before the first sleep in: ours, stock_graphs; of these, ours, "
         "stock_graphs also gave different tokens for the same prompts twice before any sleep "
-        "(not deterministic on this model), so their differences after wake do not show "
-        "corruption by sleep"
+        "(not deterministic on this model), so their differences after wake neither show nor "
+        "rule out corruption by sleep"
     )
     for record in json.loads((out / "results.json").read_text())["configs"]:
         assert record["reference_repeat"]["bit_exact"] is False
