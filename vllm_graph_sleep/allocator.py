@@ -374,10 +374,11 @@ class GraphSleepAllocator:
         Before the first capture into the graph pool no graph of ours exists
         (and those captured outside our pools, vLLM's throwaway profiling
         graphs, never replay), so torch's workspaces are dropped first (with
-        the release switched on): what eager work made before on a side stream, or on the side
-        stream of the model runner V1's throwaway profiling graphs (32 MiB
-        that stayed resident on the H200 with Qwen3-MoE, run 5), is made again
-        here or, on a stream no graph uses, left out of the graph pool."""
+        the release switched on): what eager work made before on a side
+        stream, or on the side stream of the model runner V1's throwaway
+        profiling graphs (32 MiB that stayed resident on the H200 with
+        Qwen3-MoE, run 5), is made again here or, on a stream no graph uses,
+        left out of the graph pool."""
         try:
             if self.release_blas_workspaces and not self._graph_pool_segments():
                 self._driver.release_blas_workspaces()
