@@ -202,6 +202,10 @@ class GraphSleepAllocator:
         # outside. And the (address, bytes) blocks those workspaces took.
         self._trusted_streams: dict[int, dict[int, int] | None] = {}
         self._workspace_blocks: set[tuple[int, int]] = set()
+        # Keeps torch's graph-safe RNG state on a trusted capture stream, from
+        # the first capture into the graph pool to engine shutdown
+        # (_hold_generator_graph_state).
+        self._generator_state_holder: Any = None
         # The extension keeps its own references to these bound methods.
         driver.register_callbacks(self._on_malloc, self._on_free)
 
@@ -317,6 +321,7 @@ class GraphSleepAllocator:
         # torch hands the same stream handles out again: a next engine's
         # streams start untrusted, whatever this engine's were.
         self._trusted_streams.clear()
+        self._generator_state_holder = None
         self._graph_pool = None
         self._driver.release_cached_memory()
         # This engine sleeps no more: the buffers kept for its next sleep go
@@ -388,6 +393,7 @@ class GraphSleepAllocator:
                 "capture: %s",
                 error,
             )
+        self._hold_generator_graph_state()
         self._create_blas_workspaces_on(None)
         for stream in side_streams:
             try:
@@ -400,6 +406,31 @@ class GraphSleepAllocator:
                     stream,
                     error,
                 )
+
+    def _hold_generator_graph_state(self) -> None:
+        """Puts torch's graph-safe RNG state on this thread's current stream,
+        the capture stream whose workspaces are made here, unless a live graph
+        already holds it somewhere.
+
+        torch makes that state (two 8-byte tensors, outside every pool) on the
+        stream of the first graph to begin capturing while none is alive.
+        Model runner V2 captures its FULL graphs, and both runners their
+        encoder graphs, on torch's own default capture stream, which has no
+        workspace of ours and is not trusted: with FULL graphs alone (no
+        piecewise graph captured first on vLLM's stream) the state would land
+        there and every sleep would keep torch's workspaces. Made here first,
+        it stays on a trusted stream until engine shutdown. If this fails, the
+        workspaces are merely kept where the state lands."""
+        if self._generator_state_holder is not None:
+            return
+        try:
+            with self._routed_to(None):
+                self._generator_state_holder = self._driver.hold_generator_graph_state()
+        except Exception as error:
+            logger.warning(
+                "graph-sleep: torch's graph-safe RNG state was not put on the capture stream: %s",
+                error,
+            )
 
     def _graph_pool_segments(self) -> list[dict]:
         if self._graph_pool is None:

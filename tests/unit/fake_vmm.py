@@ -58,6 +58,10 @@ class FakePool:
         return segments
 
 
+class _Graph:
+    """Stands in for a torch.cuda.CUDAGraph."""
+
+
 class FakeVmmDriver:
     def __init__(self, capacity: int = 1 << 30, rocm: bool = False):
         self.capacity = capacity
@@ -87,6 +91,9 @@ class FakeVmmDriver:
         self.failures: dict[str, int] = {}  # call -> how many calls succeed before it fails
         self.stack_limits: dict[int, int] = {}  # device -> per-thread stack bytes
         self.collections: list[bool] = []  # release_cached_memory calls: collected garbage?
+        # torch's graph-safe RNG state: (segment, stream), while a live graph holds it
+        self.generator_state: tuple[int, int] | None = None
+        self.generator_holds: list[bool] = []  # hold_generator_graph_state calls: pool routed?
 
     def fail(self, call: str, after: int = 0) -> None:
         """The (after+1)-th next call of `call` raises like the driver would."""
@@ -216,6 +223,36 @@ class FakeVmmDriver:
                     ]
         self.workspaces.clear()
         self.blas_releases += 1
+
+    # -- torch's graph-safe RNG state ----------------------------------------
+
+    def begin_capture(self) -> None:
+        """What capture_begin does for the default generator: with no live
+        graph holding its graph-safe state, torch makes it (two 8-byte tensors)
+        on the current stream, outside the pool the capture routes to."""
+        if self.generator_state is None:
+            address = self._next_address
+            self._next_address += 2 * PAGE
+            self.outside_segments.append((address, self.current_stream, 1024))
+            self.generator_state = (address, self.current_stream)
+
+    def hold_generator_graph_state(self) -> object:
+        """A one-node graph, never instantiated; when it goes and no other
+        graph is alive (none is, in these tests), torch frees the state."""
+        self._maybe_fail("hold_generator_graph_state", "CUDA error: operation not permitted")
+        self.generator_holds.append(bool(self.routing))
+        self.begin_capture()
+        holder = _Graph()
+        weakref.finalize(holder, self._last_graph_gone)
+        return holder
+
+    def _last_graph_gone(self) -> None:
+        address, _ = self.generator_state
+        self.outside_segments = [
+            (a, stream, 0 if a == address else in_use)
+            for a, stream, in_use in self.outside_segments
+        ]
+        self.generator_state = None
 
     def synchronize(self, device: int) -> None:
         self._maybe_fail("synchronize", "CUDA error: an illegal memory access was encountered")

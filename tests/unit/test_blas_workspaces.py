@@ -15,6 +15,7 @@ from vllm_graph_sleep.patches.distributed_parallel_state import _wrap_graph_capt
 CAPTURE_STREAM = 0x37F84240
 AUX_STREAM = 0x37F85000  # vLLM's aux stream, which its graphs fork onto
 PROFILING_STREAM = 0x37F86000  # the side stream of model runner V1's throwaway graphs
+TORCH_CAPTURE_STREAM = 0x37F87000  # torch.cuda.graph's own, where no stream is given
 # torch drops every workspace once before the first capture into the graph pool.
 FIRST_CAPTURE = 1
 
@@ -34,6 +35,19 @@ def capture_stream_workspaces(driver, manager):
     return driver.workspaces[CAPTURE_STREAM]
 
 
+def full_graphs_on_torchs_capture_stream(driver, manager):
+    """Model runner V2's FULL graphs: captured into the graph pool on torch's
+    default capture stream, where the first matmul makes the workspaces, in
+    the pool the capture routes to."""
+    driver.current_stream = TORCH_CAPTURE_STREAM
+    driver.begin_capture()
+    with manager.cudagraph_pool() as pool:
+        driver.route(pool)
+        driver.create_blas_workspaces()
+        driver.unroute(pool)
+    driver.current_stream = 0
+
+
 def graph_pool_segments(manager):
     with manager.cudagraph_pool() as pool:
         return list(pool.segments)
@@ -47,7 +61,9 @@ def test_the_capture_stream_workspaces_are_made_in_the_graph_pool():
         assert allocation.tag == "cudagraph" and allocation.size >= size
         assert made[kind] in graph_pool_segments(manager)
     assert not driver.routing  # nothing stays routed afterwards
-    assert [stream for _, stream, _ in driver.outside_segments] == [0, 0]
+    # Outside: torch's graph-safe RNG state on the capture stream (held from
+    # here) and the default stream's workspaces.
+    assert [stream for _, stream, _ in driver.outside_segments] == [CAPTURE_STREAM, 0, 0]
 
 
 def test_workspaces_in_the_graph_pool_are_never_backed_up():
@@ -89,7 +105,8 @@ def test_sleep_drops_the_workspaces_and_keeps_the_pool_segment_for_the_graphs(ca
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("cudagraph",))
     assert driver.blas_releases == FIRST_CAPTURE + 1 and not driver.workspaces
-    assert driver.outside_segments == []  # the default stream's are gone
+    # The default stream's are gone; the RNG state stays with the graphs.
+    assert driver.outside_segments == [(*driver.generator_state, 1024)]
     # The graphs still hold the addresses: they sleep and wake with the pool.
     assert made["blas"] in manager.allocations
     manager.wake_up()
@@ -210,6 +227,48 @@ def test_a_side_stream_the_graphs_fork_onto_gets_its_workspaces_in_the_pool(capl
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("cudagraph",))
     assert "cuBLAS workspaces released" in caplog.text
+
+
+def test_torchs_rng_state_is_put_on_the_capture_stream_before_full_graphs_elsewhere(caplog):
+    """torch makes the graph-safe RNG state on the stream of the first graph;
+    made there by the graph_capture context first, it sits on a trusted
+    stream, and FULL graphs captured on torch's own stream leave nothing
+    outside the pool there."""
+    driver, manager = make()
+    capture_stream_workspaces(driver, manager)
+    assert driver.generator_state[1] == CAPTURE_STREAM
+    assert driver.generator_holds == [False]  # made outside every pool of ours
+    full_graphs_on_torchs_capture_stream(driver, manager)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        for _ in range(2):
+            manager.sleep(offload_tags=("cudagraph",))
+            manager.wake_up()
+    sleeps = [r.getMessage() for r in caplog.records if "cuBLAS workspaces" in r.getMessage()]
+    assert len(sleeps) == 2 and all("cuBLAS workspaces released" in line for line in sleeps)
+
+
+def test_with_the_rng_state_left_to_full_graphs_on_torchs_stream_they_keep_them_all(caplog):
+    driver, manager = make()
+    driver.fail("hold_generator_graph_state")
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        capture_stream_workspaces(driver, manager)
+    assert "RNG state was not put on the capture stream: CUDA error" in caplog.text
+    assert CAPTURE_STREAM in manager._trusted_streams  # the workspaces went on
+    full_graphs_on_torchs_capture_stream(driver, manager)
+    assert driver.generator_state[1] == TORCH_CAPTURE_STREAM
+    manager.sleep(offload_tags=("cudagraph",))
+    assert driver.blas_releases == FIRST_CAPTURE
+
+
+def test_the_rng_state_is_held_once_per_engine_until_its_shutdown():
+    driver, manager = make()
+    for _ in range(2):  # vLLM enters graph_capture once per parallel group
+        capture_stream_workspaces(driver, manager)
+    assert len(driver.generator_holds) == 1
+    manager.release_pools()
+    assert driver.generator_state is None
+    capture_stream_workspaces(driver, manager)  # a next engine in this process
+    assert len(driver.generator_holds) == 2
 
 
 def test_a_side_stream_left_outside_keeps_them_all():

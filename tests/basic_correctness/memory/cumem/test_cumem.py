@@ -409,6 +409,54 @@ def test_a_side_stream_the_graph_forks_onto_gets_its_workspaces_in_the_pool_and_
 
 
 @fresh_process
+def test_a_graph_captured_on_torchs_own_stream_still_lets_a_sleep_release_the_workspaces():
+    """Model runner V2 captures its FULL graphs with torch.cuda.graph and no
+    stream: on torch's default capture stream, which has no workspace of ours.
+    The first graph of a process has torch make its graph-safe RNG state on its
+    capture stream, outside every pool; what graph_capture does with offload on
+    puts that state on vLLM's capture stream first, so nothing of torch's stays
+    outside the graph pool on torch's stream, a sleep can release the
+    workspaces, and the graph replays exactly after every wake."""
+    alloc = manager()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.graph_sleep")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    weight, x = matmul_operands(alloc)
+    vllms_stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(vllms_stream):
+        alloc.create_blas_workspaces_in_graph_pool()
+        torch.relu(x @ weight)  # the warm-up
+        with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id):
+            out = torch.relu(x @ weight) * 2
+    torchs_stream = torch.cuda.graph.default_capture_stream
+    assert torchs_stream is not None
+    assert in_use_outside_the_graph_pool(alloc, torchs_stream) == {}
+    graph.replay()
+    expected = torch.relu(x @ weight) * 2
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+    for _ in range(3):
+        alloc.sleep(offload_tags=("weights",))
+        with poisoned_remaps(alloc):
+            alloc.wake_up()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+    sleeps = [
+        r.getMessage()
+        for r in records
+        if r.levelno == logging.INFO and r.getMessage().startswith("graph-sleep sleep:")
+    ]
+    assert len(sleeps) == 3 and all("cuBLAS workspaces released" in line for line in sleeps)
+
+
+@fresh_process
 def test_plain_capture_without_our_pool_is_unaffected():
     alloc = manager()
     weight, x = matmul_operands(alloc)
