@@ -161,11 +161,12 @@ class VmmDriver:
         """Has torch make the graph-safe state of the default CUDA generator
         on the current stream, if no live graph holds it yet, and returns what
         keeps it alive: a graph of one node, captured there and never
-        instantiated, and that node's tensor. torch makes the state (two
-        8-byte tensors, outside the pool a capture routes to) when a capture
-        begins while no graph is registered, and frees it when the last one
-        goes (CUDAGeneratorState::register_graph, torch 2.11). The node spares
-        torch's "The CUDA Graph is empty" warning."""
+        instantiated. torch makes the state (two 8-byte tensors, outside the
+        pool a capture routes to) when a capture begins while no graph is
+        registered, and frees it when the last one goes
+        (CUDAGeneratorState::register_graph, torch 2.11). The node spares
+        torch's "The CUDA Graph is empty" warning; its tensor may go, as
+        nothing ever launches the graph."""
         target = torch.zeros(1, device="cuda")
         holder = torch.cuda.CUDAGraph(keep_graph=True)
         holder.capture_begin(capture_error_mode="thread_local")
@@ -173,7 +174,7 @@ class VmmDriver:
             target.zero_()
         finally:
             holder.capture_end()
-        return holder, target
+        return holder
 
     def device_bytes(self, device: int, address: int, size: int) -> torch.Tensor:
         return torch.as_tensor(_DeviceRange(address, size), device=torch.device("cuda", device))
