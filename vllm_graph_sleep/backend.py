@@ -14,6 +14,7 @@ from __future__ import annotations
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 
 from vllm_graph_sleep.allocator import KV_CACHE_TAG, WEIGHTS_TAG, GraphSleepAllocator
+from vllm_graph_sleep.sampler_scratch import drop_sampler_scratch
 
 SLEEP_LEVELS = (1, 2)
 
@@ -36,6 +37,8 @@ class GraphSleepBackend(SleepModeBackend):
         self._allocator.claim_graph_pool()
         tags = {allocation.tag for allocation in self._allocator.allocations.values()}
         offload = offload_tags_for(level, tags)
+        # Before the allocator empties torch's cache: what it freed goes too.
+        drop_sampler_scratch()
         self._allocator.sleep(offload_tags=offload)
         self._state = "SUSPENDED"
 

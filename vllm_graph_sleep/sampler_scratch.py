@@ -1,0 +1,45 @@
+"""vLLM's Triton top-k/top-p sampler scratch, dropped while asleep.
+
+vllm.v1.sample.ops.topk_topp_triton keeps, for the life of the process, one
+per-program scratch buffer per (device, dtype, vocabulary): up to one row per
+SM of float32 logits, 132 x 128256 x 4 bytes = 65 MiB for a Llama-3 vocabulary
+on an H200, made eagerly at the first sampling (vLLM's kernel warm-up). It is
+made with torch.empty whenever it grows, so no call depends on what an earlier
+one left there; no graph uses it (vLLM 0.26 samples outside its graphs). Left alone it stays
+resident through every sleep, in stock vLLM too, and on the H200 it kept a 20
+MiB segment of the default stream from going back (torch's memory history,
+run 8). vLLM's own reset_buffer_cache() drops it with the lookup tables; the
+first sampling after the wake makes both again.
+
+Verified against vLLM 0.26.0. Remove when vLLM's sleep drops this cache itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+logger = logging.getLogger("vllm.graph_sleep")
+
+SAMPLER_MODULE = "vllm.v1.sample.ops.topk_topp_triton"
+
+
+def drop_sampler_scratch() -> bool:
+    """Drops the cache if vLLM made it (only if its module is imported: an
+    import here would pull in Triton for nothing); returns whether it did."""
+    module = sys.modules.get(SAMPLER_MODULE)
+    if module is None:
+        return False
+    reset = getattr(module, "reset_buffer_cache", None)
+    if reset is None:
+        from vllm import __version__
+
+        logger.warning(
+            "graph-sleep: %s.reset_buffer_cache is missing in vLLM %s; the sampler's "
+            "scratch stays resident while asleep",
+            SAMPLER_MODULE,
+            __version__,
+        )
+        return False
+    reset()
+    return True
