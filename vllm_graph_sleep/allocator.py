@@ -414,14 +414,15 @@ class GraphSleepAllocator:
 
         torch makes that state (two 8-byte tensors, outside every pool) on the
         stream of the first graph to begin capturing while none is alive.
-        Model runner V2 captures its FULL graphs, and both runners their
+        Model runner V2 captures its FULL graphs, and model runner V1 its
         encoder graphs, on torch's own default capture stream, which has no
         workspace of ours and is not trusted: with FULL graphs alone (no
         piecewise graph captured first on vLLM's stream) the state would land
         there and every sleep would keep torch's workspaces. Made here first,
         it stays on a trusted stream until engine shutdown. If this fails, the
-        workspaces are merely kept where the state lands."""
-        if self._generator_state_holder is not None:
+        workspaces are merely kept where the state lands. Nothing to do when
+        the workspaces are kept anyway (the release switched off)."""
+        if self._generator_state_holder is not None or not self.release_blas_workspaces:
             return
         try:
             with self._routed_to(None):

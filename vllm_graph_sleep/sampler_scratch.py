@@ -9,7 +9,8 @@ one left there; no graph uses it (vLLM 0.26 samples outside its graphs). Left al
 resident through every sleep, in stock vLLM too, and on the H200 it kept a 20
 MiB segment of the default stream from going back (torch's memory history,
 run 8). vLLM's own reset_buffer_cache() drops it with the lookup tables; the
-first sampling after the wake makes both again.
+first sampling after the wake makes both again, outside our pools: that memory
+must still be free then, as for torch's other cached blocks.
 
 Verified against vLLM 0.26.0. Remove when vLLM's sleep drops this cache itself.
 """
@@ -24,12 +25,13 @@ logger = logging.getLogger("vllm.graph_sleep")
 SAMPLER_MODULE = "vllm.v1.sample.ops.topk_topp_triton"
 
 
-def drop_sampler_scratch() -> bool:
+def drop_sampler_scratch() -> None:
     """Drops the cache if vLLM made it (only if its module is imported: an
-    import here would pull in Triton for nothing); returns whether it did."""
+    import here would pull in Triton for nothing). An optimisation: if it
+    fails, the sleep goes on with the scratch resident."""
     module = sys.modules.get(SAMPLER_MODULE)
     if module is None:
-        return False
+        return
     reset = getattr(module, "reset_buffer_cache", None)
     if reset is None:
         from vllm import __version__
@@ -40,6 +42,8 @@ def drop_sampler_scratch() -> bool:
             SAMPLER_MODULE,
             __version__,
         )
-        return False
-    reset()
-    return True
+        return
+    try:
+        reset()
+    except Exception as error:
+        logger.warning("graph-sleep: the sampler's scratch stays resident while asleep: %s", error)

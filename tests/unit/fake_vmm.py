@@ -229,12 +229,18 @@ class FakeVmmDriver:
     def begin_capture(self) -> None:
         """What capture_begin does for the default generator: with no live
         graph holding its graph-safe state, torch makes it (two 8-byte tensors)
-        on the current stream, outside the pool the capture routes to."""
-        if self.generator_state is None:
+        on the current stream before routing to the capture's pool: outside
+        it, in the pool this thread routes to if any."""
+        if self.generator_state is not None:
+            return
+        if self.routing:
+            address = self.malloc(1024)
+            self.segment_streams[address] = self.current_stream
+        else:
             address = self._next_address
             self._next_address += 2 * PAGE
             self.outside_segments.append((address, self.current_stream, 1024))
-            self.generator_state = (address, self.current_stream)
+        self.generator_state = (address, self.current_stream)
 
     def hold_generator_graph_state(self) -> object:
         """A one-node graph, never instantiated; when it goes and no other

@@ -83,6 +83,9 @@ def test_inside_another_pool_the_workspaces_still_go_to_the_graph_pool():
         manager.create_blas_workspaces_in_graph_pool()
         assert driver.routing == [weights]  # the enclosing pool is routed again
     assert manager.allocations[driver.workspaces[CAPTURE_STREAM]["blas"]].tag == "cudagraph"
+    # torch's RNG state is outside every pool of ours: the weights pool is unrouted meanwhile.
+    assert driver.generator_holds == [False]
+    assert driver.generator_state[0] not in manager.allocations
 
 
 def test_a_failure_leaves_the_capture_to_go_on(caplog):
@@ -384,6 +387,7 @@ def test_the_workspaces_are_kept_when_switched_off(monkeypatch):
     capture_stream_workspaces(driver, manager)
     manager.sleep(offload_tags=("cudagraph",))
     assert driver.blas_releases == 0 and len(driver.workspaces) == 2
+    assert driver.generator_holds == []  # it only serves the release
 
 
 @pytest.mark.parametrize("routes", [True, False])
