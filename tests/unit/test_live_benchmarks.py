@@ -418,7 +418,9 @@ def test_main_exit_status(fake, monkeypatch, corrupt):
     assert fake.written()["ok"] is not corrupt
 
 
-@pytest.mark.parametrize("script", ["wake_pressure.py", "serve_soak.py", "pinning.py"])
+@pytest.mark.parametrize(
+    "script", ["wake_pressure.py", "serve_soak.py", "pinning.py", "asleep_memory_history.py"]
+)
 def test_without_gpu_exit_2_with_one_line(tmp_path, script):
     # CUDA_VISIBLE_DEVICES="" hides every GPU, so this holds on a GPU machine too.
     result = subprocess.run(
