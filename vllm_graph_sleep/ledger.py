@@ -8,8 +8,10 @@ from __future__ import annotations
 import functools
 import heapq
 import importlib
+import importlib.util
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ import torch
 
 from vllm_graph_sleep import device_query
 from vllm_graph_sleep.ledger_fields import balance
+from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE
 
 MiB = 2**20
 NCCL_DEFAULT_BUFFSIZE = 4 * MiB  # NCCL's documented NCCL_BUFFSIZE default
@@ -181,6 +184,36 @@ def vllm_workspace_bytes(
     )
 
 
+def _vllm_has_module(module: str) -> bool:
+    """Whether vLLM has `module`, without importing it (only the packages above it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a package above it is gone
+        return False
+
+
+def vllm_sampler_scratch() -> list[Any]:
+    """The tensors vLLM's Triton top-k/top-p sampler keeps for the life of the
+    process, every device's: its per-program scratch buffers and its two lookup
+    tables. None where vLLM has not imported the sampler (it does wherever
+    Triton works, so then nothing sampled with it); an import here would pull in
+    Triton for nothing."""
+    if sys.modules.get(SAMPLER_MODULE) is None:
+        if not _vllm_has_module(SAMPLER_MODULE):
+            raise LookupError(f"vLLM {_vllm_version()} has no {SAMPLER_MODULE}")
+        return []
+    buffers = vllm_attribute(SAMPLER_MODULE, "_TRITON_BUFFER_CACHE")
+    tables = vllm_attribute(SAMPLER_MODULE, "_TRITON_TABLE_CACHE")
+    return [*buffers.values(), *(table for pair in tables.values() for table in pair)]
+
+
+def sampler_scratch_storages(tensors: list[Any], device: torch.device) -> dict[int, int]:
+    """Address -> bytes of the storages of `tensors` on `device`, each once: the
+    memory held is the storage's, however many tensors view it."""
+    storages = (tensor.untyped_storage() for tensor in tensors if tensor.device == device)
+    return {storage.data_ptr(): storage.nbytes() for storage in storages}
+
+
 def _vllm_aux_stream() -> str | None:
     stream = vllm_attribute(VLLM_TORCH_UTILS_MODULE, "_aux_stream")
     return None if stream is None else stream_key(stream.cuda_stream)
@@ -189,11 +222,13 @@ def _vllm_aux_stream() -> str | None:
 @dataclass(frozen=True)
 class KnownMemory:
     """What the ledger can name among torch's blocks: vLLM's workspace buffers
-    (ubatch -> buffer) by address, a cuBLAS workspace only by its size (torch
-    does not expose their addresses, so any block of that size matches), and
-    streams by their key (stream_key -> name)."""
+    (ubatch -> buffer) and its sampler's scratch (storage addresses) by address,
+    a cuBLAS workspace only by its size (torch does not expose their addresses,
+    so any block of that size matches), and streams by their key (stream_key ->
+    name)."""
 
     workspace_buffers: dict[int, Any]
+    sampler_scratch: Collection[int]
     cublas_workspace_size: int | None
     streams: dict[str, str]
 
@@ -203,6 +238,8 @@ class KnownMemory:
             for ubatch, buffer in self.workspace_buffers.items()
             if address <= buffer.data_ptr() < address + size
         ]
+        if any(address <= scratch < address + size for scratch in self.sampler_scratch):
+            names.append("vLLM's top-k/top-p sampler scratch")
         if not names and size == self.cublas_workspace_size:
             names.append("a cuBLAS workspace's size")
         if stream in self.streams:
@@ -275,8 +312,9 @@ def _what_torch_holds(
     cublas_size: int | None,
     unavailable: dict[str, str],
 ) -> dict[str, Any]:
-    """The ledger's fields that name memory inside torch's: vLLM's workspace, the
-    streams it can name, and torch's largest blocks outside the sleep pools."""
+    """The ledger's fields that name memory inside torch's: vLLM's workspace and
+    sampler scratch, the streams it can name, and torch's largest blocks outside
+    the sleep pools."""
     get = functools.partial(_guarded, unavailable)
     fields: dict[str, Any] = {
         "current_stream": get(
@@ -296,6 +334,11 @@ def _what_torch_holds(
     fields["vllm_workspace"], fields["vllm_workspace_outside_pools"] = sizes or (None, None)
     if sizes is None:
         unavailable["vllm_workspace_outside_pools"] = unavailable["vllm_workspace"]
+    scratch = get(
+        "vllm_sampler_scratch",
+        lambda: sampler_scratch_storages(vllm_sampler_scratch(), torch.device("cuda", device)),
+    )
+    fields["vllm_sampler_scratch"] = None if scratch is None else sum(scratch.values())
     streams = {
         key: name
         for key, name in (
@@ -304,7 +347,7 @@ def _what_torch_holds(
         )
         if key is not None
     }
-    known = KnownMemory(buffers or {}, cublas_size, streams)
+    known = KnownMemory(buffers or {}, frozenset(scratch or ()), cublas_size, streams)
     fields["torch_outside_pools_largest_blocks"] = get(
         "torch_outside_pools_largest_blocks",
         lambda: torch_outside_pools_largest_blocks(segments, known),

@@ -38,6 +38,16 @@ vllm_workspace                no      bytes of vLLM's WorkspaceManager buffers (
                                       sleep pool
 vllm_workspace_outside_pools  no      the part of vllm_workspace in torch's segments that no
                                       sleep-mode allocator made: what a sleep leaves of it
+vllm_sampler_scratch          no      bytes of the tensors vLLM's Triton top-k/top-p sampler keeps
+                                      on this GPU for the life of the process (a per-program
+                                      scratch of up to one float32 row of the vocabulary per SM,
+                                      and two lookup tables), read from _TRITON_BUFFER_CACHE and
+                                      _TRITON_TABLE_CACHE of vllm.v1.sample.ops.topk_topp_triton,
+                                      each storage once; 0 before the first sampling, after our
+                                      sleep (it drops them), and where vLLM has not imported that
+                                      module (it does wherever Triton works; the ledger never
+                                      imports it); torch's memory, so inside
+                                      torch_reserved_outside_pools or a sleep pool
 instantiated_graphs           no      a count: graphs vLLM captured (its compilation counter);
                                       the driver's memory for them is in unattributed
 cuda_modules                  no      a count, None: no driver call counts a context's modules
@@ -48,10 +58,10 @@ torch_outside_pools_by_stream no      torch_reserved_outside_pools split by the 
 torch_outside_pools_largest_blocks
                               no      the 8 largest allocated blocks (live tensors) of those
                                       segments, largest first: size, stream (as above) and a
-                                      "what" where recognised: a vLLM workspace buffer by
-                                      address, "a cuBLAS workspace's size" by size only (torch
-                                      does not expose their addresses), the current or vLLM's
-                                      aux stream; JSON only
+                                      "what" where recognised: a vLLM workspace buffer or its
+                                      sampler's scratch by address, "a cuBLAS workspace's size"
+                                      by size only (torch does not expose their addresses), the
+                                      current or vLLM's aux stream; JSON only
 current_stream                no      the probe thread's current stream, keyed as above: vLLM
                                       makes its own stream current on the thread that runs the
                                       model, which is the one its collective_rpc runs the probe on
@@ -82,6 +92,7 @@ INFORMATIVE = (
     "cublas_workspaces",
     "vllm_workspace",
     "vllm_workspace_outside_pools",
+    "vllm_sampler_scratch",
     "instantiated_graphs",
     "cuda_modules",
 )

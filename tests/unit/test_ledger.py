@@ -22,6 +22,7 @@ from vllm_graph_sleep import device_query, ledger_fields
 from vllm_graph_sleep import ledger as ledger_module
 from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.bench import ledger_table, report
+from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[2]
@@ -393,7 +394,7 @@ def test_largest_live_blocks_outside_the_pools_are_named(vllm_workspace):
     assert largest[4:] == [{"size": s * 64 * 1024, "stream": "0x0"} for s in (10, 9, 8, 7)]
     json.dumps(fields)
     # A workspace buffer of a cuBLAS workspace's size is named by its address alone.
-    known = ledger_module.KnownMemory({0: FakeBuffer(0x10_0000, 32 * MiB)}, 32 * MiB, {})
+    known = ledger_module.KnownMemory({0: FakeBuffer(0x10_0000, 32 * MiB)}, (), 32 * MiB, {})
     assert known.what(0x10_0000, 32 * MiB, "0x0") == "vLLM workspace buffer of ubatch 0"
 
 
@@ -463,3 +464,155 @@ def test_vllm_workspace_rows_in_the_table(recorded):
     assert f"{ledger_table.NOTE} {ledger_table.WORKSPACE_NOTE}" in table
     assert row_cells(table, attributed) == before  # inside torch's memory: not added
     assert "largest blocks" not in table  # JSON only
+
+
+# -- vLLM's sampler scratch -----------------------------------------------------------
+
+GPU0, GPU1 = torch.device("cuda", 0), torch.device("cuda", 1)
+VOCAB = 128256  # Llama 3's
+SCRATCH, SCRATCH_BYTES = 0x7000_0000, 132 * VOCAB * 4  # an H200's SMs x float32 rows: 65 MiB
+TABLES = (0x7400_0000, 0x7400_1000)
+
+
+class FakeTensor:
+    """A tensor of the sampler's caches: its device, and its storage's address and bytes."""
+
+    def __init__(self, address: int, nbytes: int, device: torch.device = GPU0):
+        self.device = device
+        self.storage = types.SimpleNamespace(data_ptr=lambda: address, nbytes=lambda: nbytes)
+
+    def untyped_storage(self) -> types.SimpleNamespace:
+        return self.storage
+
+
+@pytest.fixture
+def sampler_caches(vllm_workspace, monkeypatch) -> types.ModuleType:
+    """vLLM's Triton sampler module as sampling on GPUs 0 and 1 leaves it: on GPU 0
+    a scratch buffer for bfloat16 logits and a second entry viewing the same
+    storage, and the two lookup tables; on GPU 1 a buffer and its tables."""
+    module = types.ModuleType(SAMPLER_MODULE)
+    module._TRITON_BUFFER_CACHE = {
+        (GPU0, torch.bfloat16, VOCAB): FakeTensor(SCRATCH, SCRATCH_BYTES),
+        (GPU0, torch.float16, VOCAB): FakeTensor(SCRATCH, SCRATCH_BYTES),
+        (GPU1, torch.bfloat16, VOCAB): FakeTensor(0x9_0000_0000, SCRATCH_BYTES, GPU1),
+    }
+    module._TRITON_TABLE_CACHE = {
+        GPU0: tuple(FakeTensor(address, 4096) for address in TABLES),
+        GPU1: tuple(FakeTensor(0x9_1000_0000 + i * 4096, 4096, GPU1) for i in range(2)),
+    }
+    monkeypatch.setitem(sys.modules, SAMPLER_MODULE, module)
+    return module
+
+
+def scratch_segments() -> list[dict]:
+    """held_segments() and the sampler's scratch of GPU 0 outside the sleep pools:
+    its buffer in a block of its own, its tables in one segment."""
+    return [
+        *held_segments(),
+        segment(SCRATCH, 0, block(SCRATCH, SCRATCH_BYTES)),
+        segment(TABLES[0], 0, *(block(address, 4096) for address in TABLES)),
+    ]
+
+
+def test_sampler_scratch_of_this_gpu_each_storage_once(sampler_caches):
+    fields = ledger_module.ledger(0, scratch_segments())
+    # GPU 1's are not this ledger's; the second entry's storage is the first's.
+    assert fields["vllm_sampler_scratch"] == SCRATCH_BYTES + 2 * 4096
+    assert "vllm_sampler_scratch" not in fields["unavailable"]
+    assert ledger_module.ledger(1, [])["vllm_sampler_scratch"] == SCRATCH_BYTES + 2 * 4096
+    # Inside torch's memory like vLLM's workspace: shown beside, never added.
+    assert "vllm_sampler_scratch" in ledger_fields.INFORMATIVE
+    assert "vllm_sampler_scratch" not in ledger_fields.SUMMED
+    sampler_caches._TRITON_BUFFER_CACHE.clear()  # as our sleep leaves them
+    sampler_caches._TRITON_TABLE_CACHE.clear()
+    emptied = ledger_module.ledger(0, scratch_segments())
+    assert emptied["vllm_sampler_scratch"] == 0
+    assert emptied["attributed"] == fields["attributed"]
+
+
+def test_sampler_vllm_never_imported_holds_nothing_and_stays_unimported(
+    vllm_workspace, monkeypatch
+):
+    import vllm
+
+    monkeypatch.delitem(sys.modules, SAMPLER_MODULE, raising=False)
+    fields = ledger_module.ledger(0, held_segments())
+    assert fields["vllm_sampler_scratch"] == 0
+    assert "vllm_sampler_scratch" not in fields["unavailable"]
+    assert SAMPLER_MODULE not in sys.modules  # Triton was not pulled in for it
+    # A vLLM without the module: unavailable, not 0.
+    monkeypatch.setitem(sys.modules, SAMPLER_MODULE, None)
+    fields = ledger_module.ledger(0, held_segments())
+    assert fields["vllm_sampler_scratch"] is None
+    assert fields["unavailable"]["vllm_sampler_scratch"] == (
+        f"LookupError: vLLM {vllm.__version__} has no {SAMPLER_MODULE}"
+    )
+
+
+def test_sampler_caches_missing_from_vllm_say_which_symbol(sampler_caches, monkeypatch):
+    import vllm
+
+    monkeypatch.delattr(sampler_caches, "_TRITON_TABLE_CACHE")
+    fields = ledger_module.ledger(0, scratch_segments())
+    assert fields["vllm_sampler_scratch"] is None
+    assert fields["unavailable"]["vllm_sampler_scratch"] == (
+        f"LookupError: vLLM {vllm.__version__} has no {SAMPLER_MODULE}._TRITON_TABLE_CACHE"
+    )
+    # The blocks are still listed, the scratch's no longer named.
+    assert fields["torch_outside_pools_largest_blocks"][0] == {
+        "size": SCRATCH_BYTES,
+        "stream": "0x0",
+    }
+    assert fields["vllm_workspace"] == 9 * MiB  # the rest is unaffected
+
+
+def test_sampler_scratch_is_named_among_the_largest_blocks(sampler_caches):
+    largest = ledger_module.ledger(0, scratch_segments())["torch_outside_pools_largest_blocks"]
+    assert largest[0] == {
+        "size": SCRATCH_BYTES,
+        "stream": "0x0",
+        "what": "vLLM's top-k/top-p sampler scratch",
+    }
+    assert largest[1]["what"] == "a cuBLAS workspace's size, on the current stream"
+    # The tables are named as well, by address, in a segment of their own.
+    known = ledger_module.KnownMemory({}, {SCRATCH, *TABLES}, None, {})
+    assert known.what(TABLES[1], 4096, "0x0") == "vLLM's top-k/top-p sampler scratch"
+    assert known.what(TABLES[1] + 4096, 4096, "0x0") is None
+
+
+def test_the_sampler_scratch_of_the_installed_vllm_is_read_where_it_keeps_it(monkeypatch):
+    """The private symbols the ledger reads, against the vLLM installed here (the
+    fakes above stand in for it elsewhere): its module imports on a CPU machine,
+    Triton disabled, and CPU tensors stand in its caches for a GPU's."""
+    sampler = importlib.import_module(SAMPLER_MODULE)
+    assert ledger_module.vllm_sampler_scratch() == []  # nothing sampled with it here
+    cpu = torch.device("cpu")
+    buffer, tables = torch.empty(4, 8), (torch.empty(16), torch.empty(16))
+    monkeypatch.setitem(sampler._TRITON_BUFFER_CACHE, (cpu, torch.float32, 8), buffer)
+    monkeypatch.setitem(sampler._TRITON_BUFFER_CACHE, (cpu, torch.float16, 8), buffer[:2])
+    monkeypatch.setitem(sampler._TRITON_TABLE_CACHE, cpu, tables)
+    tensors = ledger_module.vllm_sampler_scratch()
+    assert len(tensors) == 4 and tensors[0] is buffer and tensors[2:] == list(tables)
+    assert ledger_module.sampler_scratch_storages(tensors, cpu) == {
+        buffer.data_ptr(): 128,  # the view of it counted once
+        tables[0].data_ptr(): 64,
+        tables[1].data_ptr(): 64,
+    }
+    # Tensors on the CPU are no GPU's.
+    assert ledger_module.ledger(0, [])["vllm_sampler_scratch"] == 0
+
+
+def test_sampler_scratch_rows_in_the_table(recorded):
+    attributed = "asleep L1: attributed (MiB)"
+    before = row_cells(report.format_table(recorded), attributed)
+    for name, held in (("ours", 0), ("stock_graphs", SCRATCH_BYTES)):
+        record = next(r for r in recorded["configs"] if r["config"] == name)
+        for step in record["steps"]:
+            for worker in step["asleep_report"]:
+                worker["ledger"] = {**worker["ledger"], "vllm_sampler_scratch": held}
+    table = report.format_table(recorded)
+    # stock_eager's ledgers are older than the field: no figure.
+    assert row_cells(table, "asleep L1: vllm sampler scratch (MiB)") == ["0", "65", "-"]
+    assert f"{ledger_table.NOTE} {ledger_table.SAMPLER_NOTE}" in table
+    assert ledger_table.WORKSPACE_NOTE not in table
+    assert row_cells(table, attributed) == before  # inside torch's memory: not added

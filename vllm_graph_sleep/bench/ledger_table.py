@@ -19,12 +19,17 @@ NOTE = (
     "not added. A field no configuration could read is left out; results.json says why "
     '("unavailable" of each ledger). Fields: vllm_graph_sleep/ledger_fields.py.'
 )
-#: Added to NOTE where the rows show vLLM's workspace (ledgers older than it have
-#: none, and their rendered tables stay as they were).
 WORKSPACE_NOTE = (
     "vLLM's workspace is inside torch's memory or a sleep pool too, not added; its "
     "outside-pools row is the part no sleep releases."
 )
+SAMPLER_NOTE = (
+    "vLLM's sampler scratch (its Triton top-k/top-p buffers, which stock vLLM keeps "
+    "through a sleep and ours drops) is inside torch's memory too, not added."
+)
+#: Added to NOTE where the rows show their field (ledgers older than it have none,
+#: and their rendered tables stay as they were).
+FIELD_NOTES = {"vllm_workspace": WORKSPACE_NOTE, "vllm_sampler_scratch": SAMPLER_NOTE}
 
 
 def _name(field: str) -> str:
@@ -33,9 +38,12 @@ def _name(field: str) -> str:
 
 def note(lines: list[list[str]]) -> str:
     """The note under the rows `lines` (as rows() gives them)."""
-    if any(f": {_name('vllm_workspace')}" in line[0] for line in lines):
-        return f"{NOTE} {WORKSPACE_NOTE}"
-    return NOTE
+    shown = [
+        text
+        for field, text in FIELD_NOTES.items()
+        if any(f": {_name(field)}" in line[0] for line in lines)
+    ]
+    return " ".join([NOTE, *shown])
 
 
 def _ledger(summary: dict[str, Any], level: str, gpu: int) -> dict[str, Any] | None:
