@@ -334,6 +334,38 @@ def in_use_outside_the_graph_pool(alloc, *streams) -> dict[int, int]:
     }
 
 
+def recorded_graph_sleep_logs() -> list[logging.LogRecord]:
+    """The allocator's log records from now on, its INFO lines included
+    whatever this process set."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.graph_sleep")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    return records
+
+
+def replays_exactly_and_every_sleep_releases_the_workspaces(alloc, graph, out, expected, records):
+    """Three sleeps (weights backed up) and poisoned wakes: the graph replays
+    exactly after each, no warning is logged, and each sleep's INFO line says
+    torch's cuBLAS workspaces were released."""
+    for _ in range(3):
+        alloc.sleep(offload_tags=("weights",))
+        with poisoned_remaps(alloc):
+            alloc.wake_up()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
+    sleeps = [
+        r.getMessage()
+        for r in records
+        if r.levelno == logging.INFO and r.getMessage().startswith("graph-sleep sleep:")
+    ]
+    assert len(sleeps) == 3 and all("cuBLAS workspaces released" in line for line in sleeps)
+
+
 @fresh_process
 def test_a_side_stream_the_graph_forks_onto_gets_its_workspaces_in_the_pool_and_they_go():
     """vLLM's aux stream (MoE shared experts): eager work there before the first
@@ -344,12 +376,7 @@ def test_a_side_stream_the_graph_forks_onto_gets_its_workspaces_in_the_pool_and_
     again); a sleep can then release torch's workspaces, and the graph still
     replays exactly after every wake."""
     alloc = manager()
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.graph_sleep")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)  # its INFO lines, whatever this process set
+    records = recorded_graph_sleep_logs()
     weight, x = matmul_operands(alloc)
     capture, side = torch.cuda.Stream(), torch.cuda.Stream()
     # The first live graph of a process has torch make the default generator's
@@ -392,20 +419,7 @@ def test_a_side_stream_the_graph_forks_onto_gets_its_workspaces_in_the_pool_and_
     assert torch.equal(out, expected)
     assert in_use_outside_the_graph_pool(alloc, capture, side) == in_use_before
 
-    for _ in range(3):
-        alloc.sleep(offload_tags=("weights",))
-        with poisoned_remaps(alloc):
-            alloc.wake_up()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
-    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
-    sleeps = [
-        r.getMessage()
-        for r in records
-        if r.levelno == logging.INFO and r.getMessage().startswith("graph-sleep sleep:")
-    ]
-    assert len(sleeps) == 3 and all("cuBLAS workspaces released" in line for line in sleeps)
+    replays_exactly_and_every_sleep_releases_the_workspaces(alloc, graph, out, expected, records)
 
 
 @fresh_process
@@ -418,12 +432,7 @@ def test_a_graph_captured_on_torchs_own_stream_still_lets_a_sleep_release_the_wo
     outside the graph pool on torch's stream, a sleep can release the
     workspaces, and the graph replays exactly after every wake."""
     alloc = manager()
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("vllm.graph_sleep")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    records = recorded_graph_sleep_logs()
     weight, x = matmul_operands(alloc)
     vllms_stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
@@ -440,20 +449,7 @@ def test_a_graph_captured_on_torchs_own_stream_still_lets_a_sleep_release_the_wo
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
 
-    for _ in range(3):
-        alloc.sleep(offload_tags=("weights",))
-        with poisoned_remaps(alloc):
-            alloc.wake_up()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected)
-    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []
-    sleeps = [
-        r.getMessage()
-        for r in records
-        if r.levelno == logging.INFO and r.getMessage().startswith("graph-sleep sleep:")
-    ]
-    assert len(sleeps) == 3 and all("cuBLAS workspaces released" in line for line in sleeps)
+    replays_exactly_and_every_sleep_releases_the_workspaces(alloc, graph, out, expected, records)
 
 
 @fresh_process
