@@ -195,9 +195,9 @@ def _vllm_has_module(module: str) -> bool:
 def vllm_sampler_scratch() -> list[Any]:
     """The tensors vLLM's Triton top-k/top-p sampler keeps for the life of the
     process, every device's: its per-program scratch buffers and its two lookup
-    tables. None where vLLM has not imported the sampler (it does wherever
-    Triton works, so then nothing sampled with it); an import here would pull in
-    Triton for nothing."""
+    tables. None at all where vLLM has not imported the sampler (it does
+    wherever Triton works, so then nothing sampled with it); an import here
+    would pull in Triton for nothing."""
     if sys.modules.get(SAMPLER_MODULE) is None:
         if not _vllm_has_module(SAMPLER_MODULE):
             raise LookupError(f"vLLM {_vllm_version()} has no {SAMPLER_MODULE}")

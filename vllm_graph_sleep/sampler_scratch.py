@@ -5,12 +5,13 @@ per-program scratch buffer per (device, dtype, vocabulary): up to one row per
 SM of float32 logits, 132 x 128256 x 4 bytes = 65 MiB for a Llama-3 vocabulary
 on an H200, made eagerly at the first sampling (vLLM's kernel warm-up). It is
 made with torch.empty whenever it grows, so no call depends on what an earlier
-one left there; no graph uses it (vLLM 0.26 samples outside its graphs). Left alone it stays
-resident through every sleep, in stock vLLM too, and on the H200 it kept a 20
-MiB segment of the default stream from going back (torch's memory history,
-run 8). vLLM's own reset_buffer_cache() drops it with the lookup tables; the
-first sampling after the wake makes both again, outside our pools: that memory
-must still be free then, as for torch's other cached blocks.
+one left there; no graph uses it (vLLM 0.26 samples outside its graphs). Left
+alone it stays resident through every sleep, in stock vLLM too; on the H200 the
+1 MiB scratch of our small-vocabulary test model kept a 20 MiB segment of the
+default stream from going back (torch's memory history, run 8). vLLM's own
+reset_buffer_cache() drops it with the lookup tables; the first sampling after
+the wake makes both again, outside our pools: that memory must still be free
+then, as for torch's other cached blocks.
 
 Verified against vLLM 0.26.0. Remove when vLLM's sleep drops this cache itself.
 """
