@@ -13,17 +13,22 @@ reset_buffer_cache() drops it with the lookup tables; the first sampling after
 the wake makes both again, outside our pools: that memory must still be free
 then, as for torch's other cached blocks.
 
-Verified against vLLM 0.26.0. Remove when vLLM's sleep drops this cache itself.
+Verified against vLLM 0.26.0. Later vLLMs capture sampling into CUDA graphs of
+model runner V2 (vllm.v1.worker.gpu.sample.cudagraph), which would use the
+scratch by address: where that module exists, it stays. Remove when vLLM's
+sleep drops this cache itself.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 
 logger = logging.getLogger("vllm.graph_sleep")
 
 SAMPLER_MODULE = "vllm.v1.sample.ops.topk_topp_triton"
+SAMPLING_GRAPHS_MODULE = "vllm.v1.worker.gpu.sample.cudagraph"
 
 
 def drop_sampler_scratch() -> None:
@@ -31,7 +36,7 @@ def drop_sampler_scratch() -> None:
     import here would pull in Triton for nothing). An optimisation: if it
     fails, the sleep goes on with the scratch resident."""
     module = sys.modules.get(SAMPLER_MODULE)
-    if module is None:
+    if module is None or _vllm_captures_sampling():
         return
     reset = getattr(module, "reset_buffer_cache", None)
     if reset is None:
@@ -48,3 +53,10 @@ def drop_sampler_scratch() -> None:
         reset()
     except Exception as error:
         logger.warning("graph-sleep: the sampler's scratch stays resident while asleep: %s", error)
+
+
+def _vllm_captures_sampling() -> bool:
+    try:
+        return importlib.util.find_spec(SAMPLING_GRAPHS_MODULE) is not None
+    except ModuleNotFoundError:  # a package above it is gone
+        return False

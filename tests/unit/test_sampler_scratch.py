@@ -80,6 +80,23 @@ def test_a_failed_drop_leaves_the_sleep_to_go_on(monkeypatch, backend, caplog):
     assert backend.state() == "SUSPENDED"
 
 
+def test_a_vllm_that_captures_sampling_into_graphs_keeps_the_scratch(monkeypatch, backend):
+    """Later vLLMs capture sampling into model runner V2's graphs, which would
+    use the scratch by address; 0.26 has no such module."""
+    import importlib.util
+
+    import vllm_graph_sleep.sampler_scratch as sampler_scratch
+
+    assert importlib.util.find_spec(sampler_scratch.SAMPLING_GRAPHS_MODULE) is None
+    calls: list[str] = []
+    sampler_module(monkeypatch, calls)
+    graphs = types.ModuleType(sampler_scratch.SAMPLING_GRAPHS_MODULE)
+    graphs.__spec__ = importlib.util.spec_from_loader(graphs.__name__, loader=None)
+    monkeypatch.setitem(sys.modules, sampler_scratch.SAMPLING_GRAPHS_MODULE, graphs)
+    backend.suspend(level=1)
+    assert calls == [] and backend.state() == "SUSPENDED"
+
+
 def test_vllms_own_reset_empties_the_installed_samplers_cache():
     """The seam, against the vLLM installed here (its module imports on a CPU
     machine: Triton is then disabled, not missing)."""
