@@ -177,6 +177,9 @@ def sleep_wake_cycles(
         llm.sleep(level=1 if kind < 2 else 2)
         for asleep in reports(llm):
             assert sum(mapped(asleep).values()) == 0, (cycle, asleep["tags"])
+            # Our sleep drops vLLM's sampler scratch (sampler_scratch.py); stock keeps it.
+            scratch = asleep["ledger"]["vllm_sampler_scratch"]
+            assert not graph_offload or scratch == 0, (cycle, scratch)
         if kind == 0:
             llm.wake_up()
         elif kind == 1:
