@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import heapq
 import importlib
-import importlib.util
 import os
 import sys
 from collections.abc import Callable, Collection
@@ -19,7 +18,7 @@ import torch
 
 from vllm_graph_sleep import device_query
 from vllm_graph_sleep.ledger_fields import balance
-from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE
+from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE, vllm_has_module
 
 MiB = 2**20
 NCCL_DEFAULT_BUFFSIZE = 4 * MiB  # NCCL's documented NCCL_BUFFSIZE default
@@ -184,14 +183,6 @@ def vllm_workspace_bytes(
     )
 
 
-def _vllm_has_module(module: str) -> bool:
-    """Whether vLLM has `module`, without importing it (only the packages above it)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a package above it is gone
-        return False
-
-
 def vllm_sampler_scratch() -> list[Any]:
     """The tensors vLLM's Triton top-k/top-p sampler keeps for the life of the
     process, every device's: its per-program scratch buffers and its two lookup
@@ -199,7 +190,7 @@ def vllm_sampler_scratch() -> list[Any]:
     wherever Triton works, so then nothing sampled with it); an import here
     would pull in Triton for nothing."""
     if sys.modules.get(SAMPLER_MODULE) is None:
-        if not _vllm_has_module(SAMPLER_MODULE):
+        if not vllm_has_module(SAMPLER_MODULE):
             raise LookupError(f"vLLM {_vllm_version()} has no {SAMPLER_MODULE}")
         return []
     buffers = vllm_attribute(SAMPLER_MODULE, "_TRITON_BUFFER_CACHE")

@@ -36,7 +36,7 @@ def drop_sampler_scratch() -> None:
     import here would pull in Triton for nothing). An optimisation: if it
     fails, the sleep goes on with the scratch resident."""
     module = sys.modules.get(SAMPLER_MODULE)
-    if module is None or _vllm_captures_sampling():
+    if module is None or vllm_has_module(SAMPLING_GRAPHS_MODULE):
         return
     reset = getattr(module, "reset_buffer_cache", None)
     if reset is None:
@@ -55,8 +55,9 @@ def drop_sampler_scratch() -> None:
         logger.warning("graph-sleep: the sampler's scratch stays resident while asleep: %s", error)
 
 
-def _vllm_captures_sampling() -> bool:
+def vllm_has_module(module: str) -> bool:
+    """Whether vLLM has `module`, without importing it (only the packages above it)."""
     try:
-        return importlib.util.find_spec(SAMPLING_GRAPHS_MODULE) is not None
+        return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:  # a package above it is gone
         return False
