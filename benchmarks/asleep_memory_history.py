@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["GRAPH_SLEEP_TEST_VLLM_DEFAULTS"] = "0" if args.small else "1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
 
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
     from vllm_graph_sleep import config
     from vllm_graph_sleep.allocator import POISON_GRAPH_SCRATCH_ENV, POISON_REMAPPED_ENV
     from vllm_graph_sleep.ledger import ledger, torch_outside_pools_by_stream
@@ -255,7 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "memory-history.json").write_text(json.dumps(result, indent=1, default=str))
 
     torch.cuda.memory._record_memory_history(enabled=None)
-    shutdown(llm)
+    stop_engine_core(llm)
+    # As tests' in-process engines end (test_graph_offload.py): the last
+    # reference first, then what the engine's garbage still holds.
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
     log("done")
     return 0 if same else 3
 
@@ -264,17 +271,11 @@ def _worker_pid(worker) -> int:
     return os.getpid()
 
 
-def shutdown(llm) -> None:
-    """As tests' in-process engines end (test_graph_offload.py)."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
+def stop_engine_core(llm) -> None:
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception as error:
         log(f"shutdown: {type(error).__name__}: {error}")
-    del llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
 
 
 if __name__ == "__main__":
