@@ -18,13 +18,13 @@ memory (config.outside_pools): those graphs are thrown away.
 Also read: vllm.utils.torch_utils._aux_stream, the side stream vLLM 0.26's MoE
 layers fork onto inside their graphs (shared experts overlapping the routed
 ones, e.g. DeepSeek-V2; the NVIDIA-only inkling models use it too), made the
-first time a layer asks for it. Its
-workspaces are made in the graph pool too, or they stayed outside it and kept
-every workspace resident while asleep (32 MiB with DeepSeek-V2 on the H200,
-run 5). Read, not called: aux_stream() would make a stream nobody uses. Only
-on CUDA: vLLM makes the stream on ROCm too but runs shared experts there
-without it (SharedExperts._determine_shared_experts_order), and workspaces
-made for it would take graph-pool memory vLLM did not plan for. Other side
+first time a layer asks for it. Its workspaces are made in the graph pool too,
+or they stayed outside it and kept every workspace resident while asleep (32
+MiB with DeepSeek-V2 on the H200, run 5). Read, not called: aux_stream() would
+make a stream nobody uses. Only on CUDA: vLLM makes the stream on ROCm too but
+runs shared experts there without it
+(SharedExperts._determine_shared_experts_order), and workspaces made for it
+would take graph-pool memory vLLM did not plan for. Other side
 streams (LoRA's, DeepSeek-V4's list) are not made in the pool: a workspace of
 theirs outside it keeps torch's workspaces resident, which is safe.
 
