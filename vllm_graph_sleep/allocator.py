@@ -136,6 +136,25 @@ def _describe(per_tag: dict[str, int]) -> str:
     return ", ".join(f"{tag} {format_bytes(size)}" for tag, size in sorted(per_tag.items()))
 
 
+class _PhaseClock:
+    """Where one sleep or wake spent its time, for its log line: a wake that
+    misses its target says whether the stack limit, the mappings or the copies
+    took the time, in the logs of every server that ran it."""
+
+    def __init__(self) -> None:
+        self.start = self._last = time.perf_counter()
+        self._laps: list[str] = []
+
+    def lap(self, what: str) -> None:
+        now = time.perf_counter()
+        self._laps.append(f"{what} {1000 * (now - self._last):.1f} ms")
+        self._last = now
+
+    def summary(self) -> str:
+        """'<total> s (<phase> <ms> ms, ...)'."""
+        return f"{time.perf_counter() - self.start:.3f} s ({', '.join(self._laps)})"
+
+
 def _add(per_tag: dict[str, int], tag: str, size: int) -> None:
     per_tag[tag] = per_tag.get(tag, 0) + size
 
@@ -580,7 +599,7 @@ class GraphSleepAllocator:
         if offload_tags is None:
             offload_tags = (DEFAULT_TAG,)
         offload = self._normalize(offload_tags, "sleep")
-        start = time.perf_counter()
+        clock = _PhaseClock()
         # Before new backups: those of allocations freed since the last call.
         self._driver.release_dropped_host_buffers()
         self.claim_graph_pool()
@@ -591,6 +610,7 @@ class GraphSleepAllocator:
         awake = [allocation for allocation in self._live() if allocation.mapped]
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
+        clock.lap("workspaces and torch's cache")
         try:
             self._back_up(to_back_up)
         except Exception as error:
@@ -605,6 +625,7 @@ class GraphSleepAllocator:
                 f"({format_bytes(sum(a.size for a in to_back_up))}) to host memory: {error}. "
                 "Nothing was released; the engine is awake."
             ) from error
+        clock.lap(f"backup ({len(to_back_up)} allocations)")
 
         released: list[Allocation] = []
         try:
@@ -646,15 +667,17 @@ class GraphSleepAllocator:
                 _describe(still_mapped),
                 "; ".join(failures),
             )
+        clock.lap(f"release ({len(released) + len(to_drop)} allocations)")
         stack = self._lower_stack({allocation.device for allocation in self._live()})
+        clock.lap("stack limit")
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
         logger.info(
-            "graph-sleep sleep: backed up %s; dropped %s; %s; %s; %.3f s",
+            "graph-sleep sleep: backed up %s; dropped %s; %s; %s; %s",
             _describe(kept),
             _describe(dropped),
             stack,
             workspaces,
-            time.perf_counter() - start,
+            clock.summary(),
         )
 
     def _lower_stack(self, devices: set[int]) -> str:
@@ -780,7 +803,7 @@ class GraphSleepAllocator:
         non-deferrable tag, restoring host backups. On failure nothing is woken
         and `WakeUpError` is raised; the call can be retried."""
         requested = None if tags is None else self._normalize(tags, "wake_up")
-        start = time.perf_counter()
+        clock = _PhaseClock()
 
         def wanted(allocation: Allocation) -> bool:
             return (
@@ -805,18 +828,22 @@ class GraphSleepAllocator:
         if not targets:
             logger.info("graph-sleep wake_up(tags=%s): nothing asleep to wake", tags)
             return
+        clock.lap("stack limit")
 
         # Return cached but unused blocks of torch's own pools to the driver
         # first: they may be exactly what we need to map.
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+        clock.lap("torch's cache")
 
         mapped: list[Allocation] = []
         try:
             for allocation in targets:
                 self._driver.create_and_map(*self._handle(allocation))
                 mapped.append(allocation)
+            clock.lap(f"mapping ({len(mapped)} allocations)")
             restored, fresh = self._fill(mapped)
+            clock.lap("copies")
         except Exception as error:
             self._roll_back(mapped)
             self._lower_stack(lowered)  # asleep again
@@ -840,14 +867,14 @@ class GraphSleepAllocator:
                 _add(still_asleep, allocation.tag, allocation.size)
         logger.info(
             "graph-sleep wake_up(tags=%s): restored from host %s; remapped without backup %s%s; "
-            "still asleep %s; %s; %.3f s",
+            "still asleep %s; %s; %s",
             tags,
             _describe(restored),
             _describe(fresh),
             " (zeroed)" if self.zero_on_wake and fresh else "",
             _describe(still_asleep),
             "stack limit restored" if lowered else "stack limit unchanged",
-            time.perf_counter() - start,
+            clock.summary(),
         )
 
     def _fill(self, mapped: list[Allocation]) -> tuple[dict[str, int], dict[str, int]]:

@@ -2,6 +2,7 @@
 sleep/wake, rollback of a failing wake, ROCm zeroing."""
 
 import logging
+import re
 
 import pytest
 
@@ -328,6 +329,18 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     assert "restored from host cudagraph 2.00 MiB" in lines[1]
     assert "remapped without backup kv_cache 8.00 MiB" in lines[1]
     assert "still asleep weights 4.00 MiB" in lines[1]
+    # Each line ends with its time and where it went, phase by phase.
+    ms = r"\d+\.\d ms"
+    assert re.search(
+        rf"\d\.\d{{3}} s \(workspaces and torch's cache {ms}, backup \(2 allocations\) {ms}, "
+        rf"release \(3 allocations\) {ms}, stack limit {ms}\)$",
+        lines[0],
+    ), lines[0]
+    assert re.search(
+        rf"\d\.\d{{3}} s \(stack limit {ms}, torch's cache {ms}, "
+        rf"mapping \(2 allocations\) {ms}, copies {ms}\)$",
+        lines[1],
+    ), lines[1]
 
 
 def test_everything_in_the_graph_pool_is_claimed_as_graph_memory_at_sleep():
