@@ -602,6 +602,7 @@ class GraphSleepAllocator:
         clock = _PhaseClock()
         # Before new backups: those of allocations freed since the last call.
         self._driver.release_dropped_host_buffers()
+        clock.lap("freed allocations' host buffers")
         self.claim_graph_pool()
         workspaces = self._release_blas_workspaces()
         # Segments that dropped pools (and the workspaces) freed: nothing to
@@ -671,6 +672,7 @@ class GraphSleepAllocator:
         stack = self._lower_stack({allocation.device for allocation in self._live()})
         clock.lap("stack limit")
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
+        clock.lap("host buffers given back")
         logger.info(
             "graph-sleep sleep: backed up %s; dropped %s; %s; %s; %s",
             _describe(kept),
@@ -861,6 +863,7 @@ class GraphSleepAllocator:
             if self.release_host_memory:
                 allocation.host = None
         self._driver.release_dropped_host_buffers()
+        clock.lap("host buffers given back")
         still_asleep: dict[str, int] = {}
         for allocation in self.allocations.values():
             if not allocation.mapped:

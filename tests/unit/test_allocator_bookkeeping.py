@@ -332,13 +332,14 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     # Each line ends with its time and where it went, phase by phase.
     ms = r"\d+\.\d ms"
     assert re.search(
-        rf"\d\.\d{{3}} s \(workspaces and torch's cache {ms}, backup \(2 allocations\) {ms}, "
-        rf"release \(3 allocations\) {ms}, stack limit {ms}\)$",
+        rf"\d\.\d{{3}} s \(freed allocations' host buffers {ms}, workspaces and torch's cache "
+        rf"{ms}, backup \(2 allocations\) {ms}, release \(3 allocations\) {ms}, stack limit "
+        rf"{ms}, host buffers given back {ms}\)$",
         lines[0],
     ), lines[0]
     assert re.search(
         rf"\d\.\d{{3}} s \(stack limit {ms}, torch's cache {ms}, "
-        rf"mapping \(2 allocations\) {ms}, copies {ms}\)$",
+        rf"mapping \(2 allocations\) {ms}, copies {ms}, host buffers given back {ms}\)$",
         lines[1],
     ), lines[1]
 
