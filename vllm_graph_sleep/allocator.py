@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
-from vllm_graph_sleep.config import truthy
+from vllm_graph_sleep.config import NO_VALUES, YES_VALUES
 
 logger = logging.getLogger("vllm.graph_sleep")
 
@@ -117,10 +117,18 @@ class Allocation:
 
 
 def _env_flag(name: str) -> bool | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
+    """A yes/no switch from the environment; None when unset or empty. Any
+    other value is refused, so a typo cannot silently pick the other side."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
         return None
-    return truthy(value)
+    value = raw.strip().lower()
+    if value in YES_VALUES or value in NO_VALUES:
+        return value in YES_VALUES
+    raise ValueError(
+        f"{name}={raw!r} is not a yes/no value: use one of {', '.join(YES_VALUES)} "
+        f"or one of {', '.join(NO_VALUES)}"
+    )
 
 
 def format_bytes(size: int) -> str:

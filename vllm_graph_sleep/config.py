@@ -34,10 +34,15 @@ class Gate:
     reason: str = ""  # why it is off although requested
 
 
+#: The spellings of yes and no that our settings accept.
+YES_VALUES = ("1", "true", "yes", "on")
+NO_VALUES = ("0", "false", "no", "off")
+
+
 def truthy(value: Any) -> bool:
     """Our reading of a yes/no setting, from JSON or the environment."""
     if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
+        return value.strip().lower() in YES_VALUES
     return bool(value)
 
 

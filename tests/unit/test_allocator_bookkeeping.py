@@ -535,3 +535,21 @@ def test_the_stack_is_left_alone_when_switched_off(monkeypatch):
     manager.sleep(offload_tags=("weights",))
     manager.wake_up()
     assert driver.stack_limits == {}
+
+
+@pytest.mark.parametrize("value", ["off", " No ", "FALSE"])
+def test_a_switch_reads_every_spelling_of_no(monkeypatch, value):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STACK", value)
+    assert make()[1].release_stack is False
+
+
+@pytest.mark.parametrize("value", ["ture", "2", "keep"])
+def test_a_switch_with_a_value_that_is_neither_yes_nor_no_is_refused(monkeypatch, value):
+    # A typo must not silently pick a side (here: keep 264 MiB resident while asleep).
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STACK", value)
+    with pytest.raises(
+        ValueError, match=f"VLLM_GRAPH_SLEEP_RELEASE_STACK='{value}' is not a yes/no"
+    ):
+        make()
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STACK", "")
+    assert make()[1].release_stack is True  # empty: the default
