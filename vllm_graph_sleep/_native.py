@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -194,12 +194,13 @@ class VmmDriver:
         return self._ext.platform == "rocm"
 
 
-def host_buffer_kind() -> str:
+def host_buffer_kind(environ: Mapping[str, str] | None = None) -> str:
     """How host buffers are pinned, from VLLM_GRAPH_SLEEP_HOST_BUFFERS."""
-    value = os.environ.get(HOST_BUFFERS_ENV, "").strip().lower() or REGISTERED_HOST_BUFFERS
+    environ = os.environ if environ is None else environ
+    value = environ.get(HOST_BUFFERS_ENV, "").strip().lower() or REGISTERED_HOST_BUFFERS
     if value not in (REGISTERED_HOST_BUFFERS, TORCH_HOST_BUFFERS):
         raise ValueError(
-            f"{HOST_BUFFERS_ENV}={os.environ[HOST_BUFFERS_ENV]!r} is not a known value: use "
+            f"{HOST_BUFFERS_ENV}={environ[HOST_BUFFERS_ENV]!r} is not a known value: use "
             f"{REGISTERED_HOST_BUFFERS!r} (the default) or {TORCH_HOST_BUFFERS!r}"
         )
     return value

@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -77,6 +77,16 @@ POISON_GRAPH_SCRATCH_ENV = "VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH"
 # (often the old bytes). Not the KV cache: vLLM never reads its stale blocks,
 # but attention kernels may load masked slots, where 0xFF would be NaN.
 POISON_REMAPPED_ENV = "VLLM_GRAPH_SLEEP_POISON_REMAPPED"
+#: The yes/no switches the allocator reads (env_switch), for doctor to check.
+SWITCH_ENVS = (
+    ZERO_ON_WAKE_ENV,
+    RELEASE_HOST_MEMORY_ENV,
+    RELEASE_STACK_ENV,
+    RELEASE_BLAS_WORKSPACES_ENV,
+    WHOLE_GRAPH_POOL_BACKUP_ENV,
+    POISON_GRAPH_SCRATCH_ENV,
+    POISON_REMAPPED_ENV,
+)
 POISON_BYTE = 0xFF
 # Per-thread stack limit while asleep. The context reserves limit x every thread
 # the GPU can hold resident (264 MiB at 1 KiB on an H200) and keeps it until the
@@ -116,10 +126,10 @@ class Allocation:
         return sum(size for _, size in self.backup_ranges)
 
 
-def _env_flag(name: str) -> bool | None:
+def env_switch(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
     """A yes/no switch from the environment; None when unset or empty. Any
     other value is refused, so a typo cannot silently pick the other side."""
-    raw = os.environ.get(name)
+    raw = (os.environ if environ is None else environ).get(name)
     if raw is None or not raw.strip():
         return None
     value = raw.strip().lower()
@@ -204,22 +214,22 @@ class GraphSleepAllocator:
         self._graph_pool: torch.cuda.MemPool | None = None
         self._routing = threading.local()  # per thread: stack of pools routed to
         if zero_on_wake is None:
-            zero_on_wake = _env_flag(ZERO_ON_WAKE_ENV)
+            zero_on_wake = env_switch(ZERO_ON_WAKE_ENV)
         self.zero_on_wake = driver.is_rocm() if zero_on_wake is None else zero_on_wake
         if release_host_memory is None:
-            release_host_memory = bool(_env_flag(RELEASE_HOST_MEMORY_ENV))
+            release_host_memory = bool(env_switch(RELEASE_HOST_MEMORY_ENV))
         self.release_host_memory = release_host_memory
         if release_stack is None:
-            release_stack = _env_flag(RELEASE_STACK_ENV) is not False
+            release_stack = env_switch(RELEASE_STACK_ENV) is not False
         self.release_stack = release_stack
         if release_blas_workspaces is None:
-            release_blas_workspaces = _env_flag(RELEASE_BLAS_WORKSPACES_ENV) is not False
+            release_blas_workspaces = env_switch(RELEASE_BLAS_WORKSPACES_ENV) is not False
         self.release_blas_workspaces = release_blas_workspaces
         if whole_graph_pool_backup is None:
-            whole_graph_pool_backup = bool(_env_flag(WHOLE_GRAPH_POOL_BACKUP_ENV))
+            whole_graph_pool_backup = bool(env_switch(WHOLE_GRAPH_POOL_BACKUP_ENV))
         self.whole_graph_pool_backup = whole_graph_pool_backup
-        self.poison_graph_scratch = bool(_env_flag(POISON_GRAPH_SCRATCH_ENV))
-        self.poison_remapped = bool(_env_flag(POISON_REMAPPED_ENV))
+        self.poison_graph_scratch = bool(env_switch(POISON_GRAPH_SCRATCH_ENV))
+        self.poison_remapped = bool(env_switch(POISON_REMAPPED_ENV))
         # device -> the stack limit a wake puts back (only while it is lowered)
         self._saved_stack: dict[int, int] = {}
         # Streams whose cuBLAS and cuBLASLt workspaces this allocator made in

@@ -38,9 +38,12 @@ from unittest import mock
 from vllm_graph_sleep.allocator import (
     DEFAULT_TAG,
     GRAPH_TAG,
+    HOST_BUFFERS_ENV,
     KV_CACHE_TAG,
     RUNTIME_TAG,
+    SWITCH_ENVS,
     WEIGHTS_TAG,
+    env_switch,
 )
 from vllm_graph_sleep.breakable_order import captures_breakable_graphs
 
@@ -570,6 +573,39 @@ def plugin_checks(active: bool, environ: MutableMapping[str, str], diag: Diagnos
     )
 
 
+def environment_check(active: bool, environ: MutableMapping[str, str], diag: Diagnosis) -> str:
+    """The plugin's own environment variables that are set, each read as the
+    worker or the API server will read it. A value they would refuse is a
+    problem where it stops this command line (the allocator's variables with
+    graph offload active, the asleep wait in dev mode), a warning elsewhere."""
+    from vllm_graph_sleep._native import host_buffer_kind
+    from vllm_graph_sleep.patches.entrypoints_serve_dev_sleep_api_router import (
+        ASLEEP_WAIT_ENV,
+        asleep_wait_s,
+    )
+
+    dev_mode = bool(_vllm_env(environ, "VLLM_SERVER_DEV_MODE"))
+    offload = (active, "read only while graph offload is active")
+    readers: list[tuple[str, Any, tuple[bool, str]]] = [
+        (name, lambda env, name=name: env_switch(name, env), offload) for name in SWITCH_ENVS
+    ]
+    readers.append((HOST_BUFFERS_ENV, host_buffer_kind, offload))
+    readers.append((ASLEEP_WAIT_ENV, asleep_wait_s, (dev_mode, "read only in dev mode")))
+    seen = []
+    for name, read, (read_here, when) in readers:
+        if name not in environ:
+            continue
+        seen.append(f"{name}={environ[name]!r}")
+        try:
+            read(environ)
+        except ValueError as error:
+            if read_here:
+                diag.problems.append((str(error), f"set {name} to an accepted value, or unset it"))
+            else:
+                diag.warnings.append(f"{error} ({when}; not here)")
+    return ", ".join(seen) if seen else "none of the plugin's variables set (its defaults)"
+
+
 def diagnose(
     engine_args: Any,
     platform: Any,
@@ -644,6 +680,7 @@ def diagnose(
         "custom all-reduce",
         all_reduce_mode(engine_args, platform, gate.active, environ, diag),
     )
+    diag.add("environment", environment_check(gate.active, environ, diag))
     diag.add("versions", versions())
     diag.add("plugin", plugin_checks(gate.active, environ, diag))
     return diag

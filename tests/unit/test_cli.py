@@ -891,8 +891,12 @@ def _clean_doctor_env(monkeypatch):
         "VLLM_ROCM_USE_AITER",
         "VLLM_PLUGINS",
         "VLLM_USE_V2_MODEL_RUNNER",
+        "VLLM_SERVER_DEV_MODE",
     ):
         monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):
+        if name.startswith("VLLM_GRAPH_SLEEP_"):
+            monkeypatch.delenv(name)
 
 
 def test_doctor_split_args():
@@ -1115,6 +1119,48 @@ def test_doctor_keeps_an_explicit_nccl_value(capsys, monkeypatch, value, expecte
     assert code == 0
     assert expected in line_of(out, "NCCL_GRAPH_REGISTER")
     assert os.environ["NCCL_GRAPH_REGISTER"] == value  # the doctor changes nothing
+
+
+def test_doctor_reads_the_plugins_variables_as_the_worker_will(capsys, monkeypatch):
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 0 and "none of the plugin's variables set" in line_of(out, "environment")
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STACK", "0")
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_HOST_BUFFERS", "torch")
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 0, out
+    assert line_of(out, "environment").split(None, 1)[1] == (
+        "VLLM_GRAPH_SLEEP_RELEASE_STACK='0', VLLM_GRAPH_SLEEP_HOST_BUFFERS='torch'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "stopping_args", "harmless_args"),
+    [
+        # The allocator's variables stop a worker with graph offload active only.
+        ("VLLM_GRAPH_SLEEP_RELEASE_STACK", "ture", ACTIVE, ("m", "--enable-sleep-mode")),
+        ("VLLM_GRAPH_SLEEP_HOST_BUFFERS", "pinned", ACTIVE, ("m",)),
+    ],
+)
+def test_doctor_refuses_a_value_the_worker_would_refuse(
+    capsys, monkeypatch, name, value, stopping_args, harmless_args
+):
+    monkeypatch.setenv(name, value)
+    code, out = run_doctor(capsys, "--platform", "cuda", *stopping_args)
+    assert code == 1, out
+    assert f"{name}={value!r}" in out and f"fix: set {name} to an accepted value" in out
+    code, out = run_doctor(capsys, "--platform", "cuda", *harmless_args)
+    assert code == 0, out
+    assert f"{name}={value!r}" in line_of(out, "warning")
+    assert "read only while graph offload is active; not here" in line_of(out, "warning")
+
+
+def test_doctor_checks_the_asleep_wait_where_the_server_reads_it(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S", "-1")
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 0 and "read only in dev mode; not here" in line_of(out, "warning")
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 1 and "VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S='-1': expected seconds >= 0" in out
 
 
 def test_doctor_vllm_plugins_without_ours(capsys, monkeypatch):

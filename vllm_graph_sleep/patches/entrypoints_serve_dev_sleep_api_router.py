@@ -51,7 +51,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.datastructures import QueryParams
@@ -162,8 +162,8 @@ class SleepRequestValidation:
         await self.app(scope, receive, send)
 
 
-def asleep_wait_s() -> float:
-    raw = os.environ.get(ASLEEP_WAIT_ENV, "")
+def asleep_wait_s(environ: Mapping[str, str] | None = None) -> float:
+    raw = (os.environ if environ is None else environ).get(ASLEEP_WAIT_ENV, "")
     if not raw:
         return DEFAULT_ASLEEP_WAIT_S
     try:
