@@ -136,9 +136,16 @@ def env_switch(name: str, environ: Mapping[str, str] | None = None) -> bool | No
     if value in YES_VALUES or value in NO_VALUES:
         return value in YES_VALUES
     raise ValueError(
-        f"{name}={raw!r} is not a yes/no value: use one of {', '.join(YES_VALUES)} "
-        f"or one of {', '.join(NO_VALUES)}"
+        f"{name}={raw!r} is not a yes/no value: yes is {'/'.join(YES_VALUES)}, "
+        f"no is {'/'.join(NO_VALUES)}"
     )
+
+
+def check_switches(environ: Mapping[str, str] | None = None) -> None:
+    """Reads every yes/no switch the allocator reads: ValueError for the first
+    value it would refuse, before a worker sets anything up."""
+    for name in SWITCH_ENVS:
+        env_switch(name, environ)
 
 
 def format_bytes(size: int) -> str:
@@ -160,7 +167,7 @@ class _PhaseClock:
     took the time, in the logs of every server that ran it."""
 
     def __init__(self) -> None:
-        self.start = self._last = time.perf_counter()
+        self._start = self._last = time.perf_counter()
         self._laps: list[str] = []
 
     def lap(self, what: str) -> None:
@@ -170,7 +177,7 @@ class _PhaseClock:
 
     def summary(self) -> str:
         """'<total> s (<phase> <ms> ms, ...)'."""
-        return f"{time.perf_counter() - self.start:.3f} s ({', '.join(self._laps)})"
+        return f"{time.perf_counter() - self._start:.3f} s ({', '.join(self._laps)})"
 
 
 def _add(per_tag: dict[str, int], tag: str, size: int) -> None:
@@ -524,7 +531,7 @@ class GraphSleepAllocator:
         clears torch's workspaces (torch's CUDA graph trees do, for
         torch.compile's "reduce-overhead" mode) is not seen here."""
         if not self.release_blas_workspaces:
-            return f"cuBLAS workspaces kept ({RELEASE_BLAS_WORKSPACES_ENV}=0)"
+            return f"cuBLAS workspaces kept (switched off: {RELEASE_BLAS_WORKSPACES_ENV})"
         graph_segments = {segment["address"] for segment in self._graph_pool_segments()}
         outside: dict[int, dict[int, int]] = {}
         for address, stream, in_use in self._driver.torch_segments():
@@ -622,14 +629,16 @@ class GraphSleepAllocator:
         self._driver.release_dropped_host_buffers()
         clock.lap("freed allocations' host buffers")
         self.claim_graph_pool()
+        clock.lap("graph pool claimed")
         workspaces = self._release_blas_workspaces()
+        clock.lap("cuBLAS workspaces")
         # Segments that dropped pools (and the workspaces) freed: nothing to
         # back up there.
         self._driver.release_cached_memory()
         awake = [allocation for allocation in self._live() if allocation.mapped]
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
-        clock.lap("workspaces and torch's cache")
+        clock.lap("garbage and torch's cache")
         try:
             self._back_up(to_back_up)
         except Exception as error:
@@ -686,7 +695,7 @@ class GraphSleepAllocator:
                 _describe(still_mapped),
                 "; ".join(failures),
             )
-        clock.lap(f"release ({len(released) + len(to_drop)} allocations)")
+        clock.lap(f"release ({len(released) + len(to_drop) - len(failures)} allocations)")
         stack = self._lower_stack({allocation.device for allocation in self._live()})
         clock.lap("stack limit")
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
@@ -704,7 +713,7 @@ class GraphSleepAllocator:
         """Lowers the stack limit of `devices`, remembering what to restore;
         a device that refuses keeps its reservation (less is freed, no harm)."""
         if not self.release_stack:
-            return "stack reservation kept (VLLM_GRAPH_SLEEP_RELEASE_STACK=0)"
+            return f"stack reservation kept (switched off: {RELEASE_STACK_ENV})"
         lowered = []
         for device in sorted(devices - self._saved_stack.keys()):
             try:

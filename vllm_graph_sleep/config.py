@@ -34,7 +34,8 @@ class Gate:
     reason: str = ""  # why it is off although requested
 
 
-#: The spellings of yes and no that our settings accept.
+#: The spellings of yes and no; our environment switches refuse any other
+#: (allocator.env_switch), while truthy() reads anything else as no.
 YES_VALUES = ("1", "true", "yes", "on")
 NO_VALUES = ("0", "false", "no", "off")
 

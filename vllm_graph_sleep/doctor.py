@@ -25,12 +25,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -50,6 +51,7 @@ from vllm_graph_sleep.breakable_order import captures_breakable_graphs
 PLATFORM_CHOICES = ("detected", "cuda", "rocm")
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "graph_sleep"
+ENV_PREFIX = "VLLM_GRAPH_SLEEP_"
 TAG_NOTES = {
     WEIGHTS_TAG: "model weights",
     KV_CACHE_TAG: "KV cache",
@@ -573,11 +575,20 @@ def plugin_checks(active: bool, environ: MutableMapping[str, str], diag: Diagnos
     )
 
 
+#: Variables of ours that no server reads: the build's, and the tests'.
+NOT_READ_BY_SERVERS = (
+    "VLLM_GRAPH_SLEEP_TARGET",
+    "VLLM_GRAPH_SLEEP_MODEL_CACHE",
+    "VLLM_GRAPH_SLEEP_TEST_CHILD",
+)
+
+
 def environment_check(active: bool, environ: MutableMapping[str, str], diag: Diagnosis) -> str:
     """The plugin's own environment variables that are set, each read as the
     worker or the API server will read it. A value they would refuse is a
     problem where it stops this command line (the allocator's variables with
-    graph offload active, the asleep wait in dev mode), a warning elsewhere."""
+    graph offload active, the asleep wait in dev mode), a warning elsewhere; a
+    name none of them reads (a misspelt one) is a warning."""
     from vllm_graph_sleep._native import host_buffer_kind
     from vllm_graph_sleep.patches.entrypoints_serve_dev_sleep_api_router import (
         ASLEEP_WAIT_ENV,
@@ -586,16 +597,23 @@ def environment_check(active: bool, environ: MutableMapping[str, str], diag: Dia
 
     dev_mode = bool(_vllm_env(environ, "VLLM_SERVER_DEV_MODE"))
     offload = (active, "read only while graph offload is active")
-    readers: list[tuple[str, Any, tuple[bool, str]]] = [
-        (name, lambda env, name=name: env_switch(name, env), offload) for name in SWITCH_ENVS
-    ]
-    readers.append((HOST_BUFFERS_ENV, host_buffer_kind, offload))
-    readers.append((ASLEEP_WAIT_ENV, asleep_wait_s, (dev_mode, "read only in dev mode")))
+    readers: dict[str, tuple[Callable[[Mapping[str, str]], object], tuple[bool, str]]] = {
+        name: (functools.partial(env_switch, name), offload) for name in SWITCH_ENVS
+    }
+    readers[HOST_BUFFERS_ENV] = (host_buffer_kind, offload)
+    readers[ASLEEP_WAIT_ENV] = (asleep_wait_s, (dev_mode, "read only in dev mode"))
     seen = []
-    for name, read, (read_here, when) in readers:
-        if name not in environ:
+    for name in sorted(n for n in environ if n.startswith(ENV_PREFIX)):
+        if name in NOT_READ_BY_SERVERS:
             continue
         seen.append(f"{name}={environ[name]!r}")
+        if name not in readers:
+            diag.warnings.append(
+                f"{name} is not a variable of this plugin (misspelt?); known: "
+                + ", ".join(sorted(readers))
+            )
+            continue
+        read, (read_here, when) = readers[name]
         try:
             read(environ)
         except ValueError as error:
@@ -719,12 +737,12 @@ def merge(per_platform: dict[str, Diagnosis]) -> Diagnosis:
         out = []
         for name, diag in per_platform.items():
             for item in items_of(diag):
-                everywhere = all(item in items_of(d) for d in diags)
-                if everywhere and item not in out:
-                    out.append(item)
+                if all(item in items_of(d) for d in diags):
+                    if item not in out:
+                        out.append(item)
                 elif isinstance(item, str):
                     out.append(f"{name}: {item}")
-                elif not everywhere:
+                else:
                     out.append((f"{name}: {item[0]}", item[1]))
         return out
 

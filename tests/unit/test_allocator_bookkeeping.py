@@ -332,9 +332,10 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     # Each line ends with its time and where it went, phase by phase.
     ms = r"\d+\.\d ms"
     assert re.search(
-        rf"\d\.\d{{3}} s \(freed allocations' host buffers {ms}, workspaces and torch's cache "
-        rf"{ms}, backup \(2 allocations\) {ms}, release \(3 allocations\) {ms}, stack limit "
-        rf"{ms}, host buffers given back {ms}\)$",
+        rf"\d\.\d{{3}} s \(freed allocations' host buffers {ms}, graph pool claimed {ms}, "
+        rf"cuBLAS workspaces {ms}, garbage and torch's cache {ms}, backup \(2 allocations\) "
+        rf"{ms}, release \(3 allocations\) {ms}, stack limit {ms}, host buffers given back "
+        rf"{ms}\)$",
         lines[0],
     ), lines[0]
     assert re.search(
@@ -537,10 +538,16 @@ def test_the_stack_is_left_alone_when_switched_off(monkeypatch):
     assert driver.stack_limits == {}
 
 
-@pytest.mark.parametrize("value", ["off", " No ", "FALSE"])
+@pytest.mark.parametrize("value", ["off", " No ", "FALSE", "0"])
 def test_a_switch_reads_every_spelling_of_no(monkeypatch, value):
     monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STACK", value)
     assert make()[1].release_stack is False
+
+
+@pytest.mark.parametrize("value", ["on", " Yes ", "TRUE", "1"])
+def test_a_switch_reads_every_spelling_of_yes(monkeypatch, value):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY", value)
+    assert make()[1].release_host_memory is True
 
 
 @pytest.mark.parametrize("value", ["ture", "2", "keep"])

@@ -31,11 +31,13 @@ import torch
 from tests.unit import fake_aiter
 from tests.unit.fake_vllm_server import IDLE
 from vllm_graph_sleep import cli, config, doctor
+from vllm_graph_sleep.allocator import HOST_BUFFERS_ENV, SWITCH_ENVS
 from vllm_graph_sleep.bench import floor, gpu, report, runner
 from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, ServerError, serve_command, server_env
 from vllm_graph_sleep.bench.settings import BenchSettings
+from vllm_graph_sleep.patches.entrypoints_serve_dev_sleep_api_router import ASLEEP_WAIT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -894,9 +896,8 @@ def _clean_doctor_env(monkeypatch):
         "VLLM_SERVER_DEV_MODE",
     ):
         monkeypatch.delenv(name, raising=False)
-    for name in list(os.environ):
-        if name.startswith("VLLM_GRAPH_SLEEP_"):
-            monkeypatch.delenv(name)
+    for name in (*SWITCH_ENVS, HOST_BUFFERS_ENV, ASLEEP_WAIT_ENV):
+        monkeypatch.delenv(name, raising=False)
 
 
 def test_doctor_split_args():
@@ -1129,8 +1130,19 @@ def test_doctor_reads_the_plugins_variables_as_the_worker_will(capsys, monkeypat
     code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
     assert code == 0, out
     assert line_of(out, "environment").split(None, 1)[1] == (
-        "VLLM_GRAPH_SLEEP_RELEASE_STACK='0', VLLM_GRAPH_SLEEP_HOST_BUFFERS='torch'"
+        "VLLM_GRAPH_SLEEP_HOST_BUFFERS='torch', VLLM_GRAPH_SLEEP_RELEASE_STACK='0'"
     )
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STAK", "0")  # misspelt: read by nobody
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 0 and "VLLM_GRAPH_SLEEP_RELEASE_STAK is not a variable of this plugin" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="about a machine without a GPU")
+def test_doctor_for_both_platforms_says_a_warning_of_both_once(capsys, monkeypatch):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S", "x")
+    code, out = run_doctor(capsys, *ACTIVE)
+    assert code == 0, out
+    assert out.count("VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S='x': expected seconds") == 1, out
 
 
 @pytest.mark.parametrize(
@@ -1147,7 +1159,7 @@ def test_doctor_refuses_a_value_the_worker_would_refuse(
     monkeypatch.setenv(name, value)
     code, out = run_doctor(capsys, "--platform", "cuda", *stopping_args)
     assert code == 1, out
-    assert f"{name}={value!r}" in out and f"fix: set {name} to an accepted value" in out
+    assert f"fix: set {name} to an accepted value, or unset it" in out
     code, out = run_doctor(capsys, "--platform", "cuda", *harmless_args)
     assert code == 0, out
     assert f"{name}={value!r}" in line_of(out, "warning")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import pickle
 from types import SimpleNamespace
 
@@ -142,6 +143,26 @@ def test_worker_sets_nccl_before_init_device_and_activates_after(worker_patch):
     assert worker.seen_nccl == "0"
     assert config.is_active() and routed == [1]
     assert worker.vllm_config.model_config.sleep_mode_backend == config.BACKEND_NAME
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("VLLM_GRAPH_SLEEP_RELEASE_STACK", "ture"), ("VLLM_GRAPH_SLEEP_HOST_BUFFERS", "pinned")],
+)
+def test_a_refused_switch_stops_the_worker_before_it_sets_anything_up(
+    worker_patch, monkeypatch, name, value
+):
+    init_device, routed = worker_patch
+    monkeypatch.setenv(name, value)
+    worker = FakeWorker(engine_config(on=True))
+    with pytest.raises(ValueError, match=f"{name}='{value}'"):
+        init_device(worker)
+    assert worker.seen_nccl == "unset"  # the original init_device never ran
+    assert os.environ.get("NCCL_GRAPH_REGISTER") is None
+    assert not config.is_active() and routed == []
+    monkeypatch.setenv(name, "")  # unset or empty: the defaults, and it starts
+    init_device(worker)
+    assert config.is_active()
 
 
 def test_worker_touches_nothing_when_the_gate_is_off(worker_patch):

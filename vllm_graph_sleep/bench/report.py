@@ -242,16 +242,12 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
     rows.append(("decode before 1st sleep (tok/s)", _get("decode_tps", "before"), "{:.0f}"))
     rows.append(("  measured again, still before (tok/s)", _get("decode_tps", "again"), "{:.0f}"))
     rows.append(("decode after last wake (tok/s)", _get("decode_tps", "after"), "{:.0f}"))
-    fastest = _get("decode_tps_fastest", "before"), _get("decode_tps_fastest", "again")
-    rows.append(("decode before 1st sleep, fastest run (tok/s)", fastest[0], "{:.0f}"))
-    rows.append(("  measured again, fastest run (tok/s)", fastest[1], "{:.0f}"))
-    rows.append(
-        (
-            "decode after last wake, fastest run (tok/s)",
-            _get("decode_tps_fastest", "after"),
-            "{:.0f}",
-        )
-    )
+    for label, moment in (
+        ("decode before 1st sleep, fastest run (tok/s)", "before"),
+        ("  measured again, fastest run (tok/s)", "again"),
+        ("decode after last wake, fastest run (tok/s)", "after"),
+    ):
+        rows.append((label, _get("decode_tps_fastest", moment), "{:.0f}"))
     return rows
 
 

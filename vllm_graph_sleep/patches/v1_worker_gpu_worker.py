@@ -47,12 +47,14 @@ from __future__ import annotations
 import logging
 
 from vllm_graph_sleep import config
+from vllm_graph_sleep._native import host_buffer_kind
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
 from vllm_graph_sleep.allocator import (
     GRAPH_TAG,
     KV_CACHE_TAG,
     RUNTIME_TAG,
     GraphSleepAllocator,
+    check_switches,
     format_bytes,
 )
 from vllm_graph_sleep.breakable_order import check_attention_breaks
@@ -106,6 +108,10 @@ def _wrap_init_device(original):
         gate = config.evaluate_gate(self.vllm_config)
         config.warn_if_ineffective(gate)
         if gate.active:
+            # A switch the allocator would refuse stops the worker here, before it
+            # sets anything up or marks the process active.
+            check_switches()
+            host_buffer_kind()
             config.apply_nccl_policy()
             # Before the original: it builds the all-reduce communicators, whose
             # patches must already see graph offload on.
