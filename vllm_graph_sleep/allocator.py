@@ -77,7 +77,7 @@ POISON_GRAPH_SCRATCH_ENV = "VLLM_GRAPH_SLEEP_POISON_GRAPH_SCRATCH"
 # (often the old bytes). Not the KV cache: vLLM never reads its stale blocks,
 # but attention kernels may load masked slots, where 0xFF would be NaN.
 POISON_REMAPPED_ENV = "VLLM_GRAPH_SLEEP_POISON_REMAPPED"
-#: The yes/no switches the allocator reads (env_switch), for doctor to check.
+#: The yes/no switches the allocator reads (env_switch); check_switches and doctor read them all.
 SWITCH_ENVS = (
     ZERO_ON_WAKE_ENV,
     RELEASE_HOST_MEMORY_ENV,
