@@ -34,22 +34,32 @@ class Gate:
     reason: str = ""  # why it is off although requested
 
 
-#: The spellings of yes and no; our environment switches refuse any other
-#: (allocator.env_switch), while truthy() reads anything else as no.
+#: The spellings of yes and no that our settings accept; any other is refused
+#: (flag_value here, allocator.env_switch for the environment).
 YES_VALUES = ("1", "true", "yes", "on")
 NO_VALUES = ("0", "false", "no", "off")
 
 
-def truthy(value: Any) -> bool:
-    """Our reading of a yes/no setting, from JSON or the environment."""
-    if isinstance(value, str):
+def flag_value(value: Any) -> bool:
+    """The graph-offload flag of additional_config as a bool: JSON true or false
+    (or null: not set), 1 or 0, or a yes/no spelling. Anything else is refused,
+    so that a typo does not quietly leave graph offload off."""
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in YES_VALUES + NO_VALUES:
         return value.strip().lower() in YES_VALUES
-    return bool(value)
+    raise ValueError(
+        f'additional_config {{"{FLAG}": {value!r}}} is not a yes/no value: use true or false'
+    )
 
 
 def flag_requested(vllm_config: Any) -> bool:
     additional = getattr(vllm_config, "additional_config", None) or {}
-    return truthy(additional.get(FLAG, False))
+    return flag_value(additional.get(FLAG))
 
 
 def _cudagraphs_off(vllm_config: Any) -> bool:

@@ -1208,6 +1208,11 @@ def test_doctor_detected_platform_on_a_gpu_less_machine(capsys):
         (("m", "--no-such-vllm-flag"), "unrecognized arguments: --no-such-vllm-flag"),
         (("m", "--compilation-config", "{bad"), "Invalid JSON"),
         (("m", "-tp", "0"), "tensor_parallel_size: Input should be greater than or equal to 1"),
+        # Our flag in the JSON, misspelt: the plugin's EngineArgs patch refuses it.
+        (
+            ("m", "--additional-config", '{"sleep_mode_offload_cudagraph": "ture"}'),
+            "'ture'} is not a yes/no value: use true or false",
+        ),
     ],
 )
 def test_doctor_rejects_what_vllm_serve_rejects_in_one_line(capsys, argv, error):

@@ -4,6 +4,7 @@ backend's level policy (CPU)."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import pickle
@@ -389,6 +390,31 @@ def test_serve_flag_forms(argv, expected):
     if "--additional-config" in argv:
         assert additional["other"] == 1  # the rest of the JSON is kept
     assert config.flag_requested(SimpleNamespace(additional_config=additional)) == bool(expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(True, True), ("on", True), (1, True), (False, False), ("No", False)]
+)
+def test_the_additional_config_flag_reads_yes_and_no(value, expected):
+    additional = {config.FLAG: value}
+    assert config.flag_requested(SimpleNamespace(additional_config=additional)) is expected
+
+
+@pytest.mark.parametrize("value", ["ture", 2, [True], {"on": True}])
+def test_an_additional_config_flag_neither_yes_nor_no_is_refused_with_the_arguments(value):
+    # A typo used to leave graph offload quietly off.
+    vllm_graph_sleep.register()
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="sleep_mode_offload_cudagraph.*is not a yes/no value"):
+        EngineArgs(model="m", additional_config={config.FLAG: value})
+    with pytest.raises(ValueError, match="is not a yes/no value"):
+        _serve_engine_args("--additional-config", json.dumps({config.FLAG: value}))
+    # Refused even beside an explicit flag that would decide: it is still a typo.
+    with pytest.raises(ValueError, match="is not a yes/no value"):
+        EngineArgs(
+            model="m", additional_config={config.FLAG: value}, sleep_mode_offload_cudagraph=False
+        )
 
 
 def test_llm_keyword_false_wins_over_additional_config():

@@ -34,10 +34,14 @@ HELP = (
 
 
 def fold_flag(engine_args: Any, enabled: bool | None) -> None:
-    """None: not given, additional_config decides; True or False: given, and it wins."""
+    """None: not given, additional_config decides; True or False: given, and it wins.
+    A flag in additional_config that is neither yes nor no is refused either way,
+    here, when the arguments are read, not later in a worker."""
+    additional = engine_args.additional_config
+    if isinstance(additional, dict):
+        config.flag_value(additional.get(config.FLAG))
     if enabled is None:
         return
-    additional = engine_args.additional_config
     if isinstance(additional, str):
         raise ValueError(
             f"{CLI_OPTION}: additional_config must be a dict here, got a string; pass JSON "
