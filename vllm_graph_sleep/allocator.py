@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
-from vllm_graph_sleep.config import NO_VALUES, YES_VALUES
+from vllm_graph_sleep.config import NO_VALUES, YES_VALUES, parse_yes_no
 
 logger = logging.getLogger("vllm.graph_sleep")
 
@@ -132,9 +132,9 @@ def env_switch(name: str, environ: Mapping[str, str] | None = None) -> bool | No
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None or not raw.strip():
         return None
-    value = raw.strip().lower()
-    if value in YES_VALUES or value in NO_VALUES:
-        return value in YES_VALUES
+    value = parse_yes_no(raw)
+    if value is not None:
+        return value
     raise ValueError(
         f"{name}={raw!r} is not a yes/no value: yes is {'/'.join(YES_VALUES)}, "
         f"no is {'/'.join(NO_VALUES)}"

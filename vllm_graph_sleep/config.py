@@ -34,10 +34,19 @@ class Gate:
     reason: str = ""  # why it is off although requested
 
 
-#: The spellings of yes and no that our settings accept; any other is refused
-#: (flag_value here, allocator.env_switch for the environment).
+#: The spellings of yes and no that our settings accept (parse_yes_no); any other
+#: is refused (flag_value here, allocator.env_switch for the environment).
 YES_VALUES = ("1", "true", "yes", "on")
 NO_VALUES = ("0", "false", "no", "off")
+
+
+def parse_yes_no(text: str) -> bool | None:
+    """True or False for a yes or no spelling (any case, spaces around); None
+    for anything else, which the caller refuses."""
+    value = text.strip().lower()
+    if value in YES_VALUES or value in NO_VALUES:
+        return value in YES_VALUES
+    return None
 
 
 def flag_value(value: Any) -> bool:
@@ -50,8 +59,9 @@ def flag_value(value: Any) -> bool:
         return value
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str) and value.strip().lower() in YES_VALUES + NO_VALUES:
-        return value.strip().lower() in YES_VALUES
+    parsed = parse_yes_no(value) if isinstance(value, str) else None
+    if parsed is not None:
+        return parsed
     raise ValueError(
         f'additional_config {{"{FLAG}": {value!r}}} is not a yes/no value: use true or false'
     )

@@ -18,6 +18,7 @@ import torch
 
 from vllm_graph_sleep import device_query
 from vllm_graph_sleep.ledger_fields import balance
+from vllm_graph_sleep.patches._wrap import vllm_version
 from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE, vllm_has_module
 
 MiB = 2**20
@@ -134,12 +135,6 @@ def torch_outside_pools_by_stream(segments: list[dict[str, Any]]) -> dict[str, d
     return dict(sorted(streams.items(), key=lambda item: -item[1]["reserved"]))
 
 
-def _vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
 def vllm_attribute(module: str, path: str) -> Any:
     """vLLM's `module` and then its dotted attribute `path`; None where an object on
     the way is None (not made yet). These are private and move between vLLM
@@ -147,14 +142,14 @@ def vllm_attribute(module: str, path: str) -> Any:
     try:
         value: Any = importlib.import_module(module)
     except ImportError:
-        raise LookupError(f"vLLM {_vllm_version()} has no {module}") from None
+        raise LookupError(f"vLLM {vllm_version()} has no {module}") from None
     walked = module
     for name in path.split("."):
         if value is None:
             return None
         walked += f".{name}"
         if not hasattr(value, name):
-            raise LookupError(f"vLLM {_vllm_version()} has no {walked}")
+            raise LookupError(f"vLLM {vllm_version()} has no {walked}")
         value = getattr(value, name)
     return value
 
@@ -191,7 +186,7 @@ def vllm_sampler_scratch() -> list[Any]:
     would pull in Triton for nothing."""
     if sys.modules.get(SAMPLER_MODULE) is None:
         if not vllm_has_module(SAMPLER_MODULE):
-            raise LookupError(f"vLLM {_vllm_version()} has no {SAMPLER_MODULE}")
+            raise LookupError(f"vLLM {vllm_version()} has no {SAMPLER_MODULE}")
         return []
     buffers = vllm_attribute(SAMPLER_MODULE, "_TRITON_BUFFER_CACHE")
     tables = vllm_attribute(SAMPLER_MODULE, "_TRITON_TABLE_CACHE")

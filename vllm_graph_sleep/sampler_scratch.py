@@ -25,6 +25,8 @@ import importlib.util
 import logging
 import sys
 
+from vllm_graph_sleep.patches._wrap import vllm_version
+
 logger = logging.getLogger("vllm.graph_sleep")
 
 SAMPLER_MODULE = "vllm.v1.sample.ops.topk_topp_triton"
@@ -40,13 +42,11 @@ def drop_sampler_scratch() -> None:
         return
     reset = getattr(module, "reset_buffer_cache", None)
     if reset is None:
-        from vllm import __version__
-
         logger.warning(
             "graph-sleep: %s.reset_buffer_cache is missing in vLLM %s; the sampler's "
             "scratch stays resident while asleep",
             SAMPLER_MODULE,
-            __version__,
+            vllm_version(),
         )
         return
     try:

@@ -133,9 +133,10 @@ class Client:
         and how many of them the next step takes depends on when they arrive: so
         the shapes of the batches, the kernels picked for them and, on a model
         with near-ties between its top logits, the tokens can change from run to
-        run (suspected after stock vLLM too differed after wakes on an 8B-class
-        random Llama, H200 run 7). One prompt at a time, every step has the same
-        shape in every run."""
+        run (stock vLLM too differed after wakes on an 8B-class random Llama in
+        H200 run 7, when a check sent every prompt in one request; with one
+        request per prompt, run 8 was exact in both configurations). One prompt
+        at a time, every step has the same shape in every run."""
         parts = [self.complete([prompt], max_tokens) for prompt in prompts]
         return Completion(
             token_ids=[ids for part in parts for ids in part.token_ids],
