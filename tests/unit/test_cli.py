@@ -523,6 +523,8 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
             (2, "staged"),
         ]
         assert all(s["bit_exact"] and s["is_sleeping_asleep"] for s in record["steps"])
+        # Asleep from the sleep's answer to the wake's call: at least one memory reading apart.
+        assert all(s["asleep_s"] >= 0.1 for s in record["steps"])
         # The reference and its repeat each ran after a prefix cache reset, as after a wake.
         assert record["reference_repeat"] == {"bit_exact": True}
         assert record["prefix_cache_reset"] == {"before_reference": True, "before_repeat": True}
@@ -562,6 +564,8 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     assert by_name["ours"]["baseline_used_bytes"] == [IDLE]
     assert f"{floor.WHAT}): {FLOOR_MIB} MiB over the idle GPU" in captured.out
     summary = results["summary"]
+    assert all(min(summary[c]["asleep_before_wake_ms"].values()) >= 100 for c in by_name)
+    assert "asleep before the wake, L2 (ms)" in captured.out
     assert summary["ours"]["asleep_mib"]["1"] == [400]  # graphs offloaded
     assert summary["stock_graphs"]["asleep_mib"]["1"] == [900]  # graphs stay
     assert summary["ours"]["tags_awake_mib"]["cudagraph"] == [500]

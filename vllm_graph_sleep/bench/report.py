@@ -113,6 +113,11 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
                 pinned[key] = [b / MiB for b in pinned_bytes]
             if any(r.get("ledger") for r in last_report):
                 ledgers[key] = [r.get("ledger") for r in last_report]
+    asleep_ms = {}
+    for level in sorted({s["level"] for s in steps}):
+        intervals = [s.get("asleep_s") for s in steps if s["level"] == level]
+        if None not in intervals:  # older files have no such figure
+            asleep_ms[str(level)] = 1000 * _median(intervals)
     wake_ms = {}
     for level, wake in sorted({(s["level"], s["wake"]) for s in steps}):
         mine = [s for s in steps if (s["level"], s["wake"]) == (level, wake)]
@@ -127,6 +132,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         pinned_host_mib=pinned,
         ledger_asleep=ledgers,
         sleep_ms=sleep_ms,
+        asleep_before_wake_ms=asleep_ms,
         wake_ms=wake_ms,
         reload_ms=1000 * _median(reloads) if reloads else None,
         decode_tps={
@@ -236,6 +242,9 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
     rows += per_gpu("pinning in the first sleep (ms)", "first_sleep_pinning_ms")
     for level in levels:
         rows.append((f"sleep L{level} (ms)", _get("sleep_ms", level), "{:.0f}"))
+    for level in levels:
+        asleep = _get("asleep_before_wake_ms", level)
+        rows.append((f"asleep before the wake, L{level} (ms)", asleep, "{:.0f}"))
     for wake in wakes:
         rows.append((f"wake L{wake} (ms)", _get("wake_ms", wake), "{:.0f}"))
     rows.append(("reload_weights after L2 (ms)", _get("reload_ms"), "{:.0f}"))

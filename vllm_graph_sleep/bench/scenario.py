@@ -239,9 +239,14 @@ class Scenario:
         step: dict[str, Any] = {"cycle": cycle, "level": level, "wake": wake}
         self._event("sleep", level=level)
         step["sleep_s"] = client.sleep(level)
+        slept_at = time.monotonic()
         step["is_sleeping_asleep"] = client.is_sleeping()
         step["asleep_used_bytes"] = settle(self.memory)
         step["asleep_report"] = self._report()
+        # A wake's first driver call can wait for the driver to finish freeing what
+        # the sleep gave back (H200 run 10), so how long each configuration stayed
+        # asleep before its wake is part of comparing their wakes.
+        step["asleep_s"] = time.monotonic() - slept_at
         self._event("wake", level=level, wake=wake)
         parts: list[dict[str, Any]] = []
         if wake == "full":
