@@ -94,6 +94,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         summary["awake_mib"] = _over(record["awake_used_bytes"], base)
     summary["tags_awake_mib"] = _tag_mib(record.get("awake_report"), "mapped")
     asleep, freed, sleep_ms, host, pinned, tags_asleep, ledgers = {}, {}, {}, {}, {}, {}, {}
+    asleep_ms = {}
     for level in sorted({s["level"] for s in steps}):
         mine = [s for s in steps if s["level"] == level]
         key = str(level)
@@ -102,6 +103,9 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             [_over(s["awake_used_bytes"], s["asleep_used_bytes"]) for s in mine]
         )
         sleep_ms[key] = 1000 * _median([s["sleep_s"] for s in mine])
+        intervals = [s.get("asleep_s") for s in mine]
+        if None not in intervals:  # older files have no such figure
+            asleep_ms[key] = 1000 * _median(intervals)
         last_report = next((s["asleep_report"] for s in reversed(mine) if s["asleep_report"]), None)
         if last_report:
             tags_asleep[key] = _tag_mib(last_report, "mapped")
@@ -113,11 +117,6 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
                 pinned[key] = [b / MiB for b in pinned_bytes]
             if any(r.get("ledger") for r in last_report):
                 ledgers[key] = [r.get("ledger") for r in last_report]
-    asleep_ms = {}
-    for level in sorted({s["level"] for s in steps}):
-        intervals = [s.get("asleep_s") for s in steps if s["level"] == level]
-        if None not in intervals:  # older files have no such figure
-            asleep_ms[str(level)] = 1000 * _median(intervals)
     wake_ms = {}
     for level, wake in sorted({(s["level"], s["wake"]) for s in steps}):
         mine = [s for s in steps if (s["level"], s["wake"]) == (level, wake)]
