@@ -88,6 +88,9 @@ class VmmDriver:
     def set_stack_limit(self, device: int, size: int) -> None:
         self._ext.set_stack_limit(device, size)
 
+    def probe_mapping(self, device: int) -> None:
+        self._ext.probe_mapping(device)
+
     def last_error(self) -> str:
         return self._ext.last_error()
 

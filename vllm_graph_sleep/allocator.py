@@ -27,6 +27,9 @@ Rules it keeps:
   reservation) once its memory is released, and any wake restores it first,
   before it maps anything; a wake whose restore fails changes nothing and
   raises `WakeUpError`, a wake that fails later lowers it again;
+- after a sleep, a background thread probes the driver twice (`settle.Settler`)
+  so that the work the driver defers after a large release is paid while the
+  engine sleeps, not by the wake; a wake stops the thread before it starts;
 - on ROCm, memory that comes back without a backup is zeroed and the device
   synchronized before wake returns (amdgpu can hand back stale VRAM,
   vllm-project/vllm#44972); CUDA does not zero unless asked to.
@@ -47,6 +50,7 @@ import torch
 
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
 from vllm_graph_sleep.config import NO_VALUES, YES_VALUES, parse_yes_no
+from vllm_graph_sleep.settle import Settler
 
 logger = logging.getLogger("vllm.graph_sleep")
 
@@ -65,6 +69,7 @@ ZERO_ON_WAKE_ENV = "VLLM_GRAPH_SLEEP_ZERO_ON_WAKE"
 RELEASE_HOST_MEMORY_ENV = "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"
 RELEASE_STACK_ENV = "VLLM_GRAPH_SLEEP_RELEASE_STACK"
 RELEASE_BLAS_WORKSPACES_ENV = "VLLM_GRAPH_SLEEP_RELEASE_BLAS_WORKSPACES"
+SETTLE_AFTER_SLEEP_ENV = "VLLM_GRAPH_SLEEP_SETTLE_AFTER_SLEEP"
 WHOLE_GRAPH_POOL_BACKUP_ENV = "VLLM_GRAPH_SLEEP_BACK_UP_WHOLE_GRAPH_POOL"
 # How the driver pins host buffers: "registered" (default) or "torch".
 HOST_BUFFERS_ENV = "VLLM_GRAPH_SLEEP_HOST_BUFFERS"
@@ -83,6 +88,7 @@ SWITCH_ENVS = (
     RELEASE_HOST_MEMORY_ENV,
     RELEASE_STACK_ENV,
     RELEASE_BLAS_WORKSPACES_ENV,
+    SETTLE_AFTER_SLEEP_ENV,
     WHOLE_GRAPH_POOL_BACKUP_ENV,
     POISON_GRAPH_SCRATCH_ENV,
     POISON_REMAPPED_ENV,
@@ -206,6 +212,7 @@ class GraphSleepAllocator:
         release_stack: bool | None = None,
         release_blas_workspaces: bool | None = None,
         whole_graph_pool_backup: bool | None = None,
+        settle_after_sleep: bool | None = None,
     ):
         self._driver = driver
         self.allocations: dict[int, Allocation] = {}
@@ -235,6 +242,9 @@ class GraphSleepAllocator:
         if whole_graph_pool_backup is None:
             whole_graph_pool_backup = bool(env_switch(WHOLE_GRAPH_POOL_BACKUP_ENV))
         self.whole_graph_pool_backup = whole_graph_pool_backup
+        if settle_after_sleep is None:
+            settle_after_sleep = env_switch(SETTLE_AFTER_SLEEP_ENV) is not False
+        self._settler = Settler(driver.probe_mapping) if settle_after_sleep else None
         self.poison_graph_scratch = bool(env_switch(POISON_GRAPH_SCRATCH_ENV))
         self.poison_remapped = bool(env_switch(POISON_REMAPPED_ENV))
         # device -> the stack limit a wake puts back (only while it is lowered)
@@ -708,6 +718,10 @@ class GraphSleepAllocator:
             workspaces,
             clock.summary(),
         )
+        if self._settler is not None:
+            self._settler.start(
+                {allocation.device for allocation in (*released, *to_drop) if not allocation.mapped}
+            )
 
     def _lower_stack(self, devices: set[int]) -> str:
         """Lowers the stack limit of `devices`, remembering what to restore;
@@ -833,6 +847,12 @@ class GraphSleepAllocator:
         and `WakeUpError` is raised; the call can be retried."""
         requested = None if tags is None else self._normalize(tags, "wake_up")
         clock = _PhaseClock()
+        # Before any driver call of ours: the thread's probe, if one is under
+        # way, would only make this wake's first call wait for it.
+        if self._settler is None:
+            settled = f"driver not probed while asleep (switched off: {SETTLE_AFTER_SLEEP_ENV})"
+        else:
+            settled = self._settler.stop()
 
         def wanted(allocation: Allocation) -> bool:
             return (
@@ -897,13 +917,14 @@ class GraphSleepAllocator:
                 _add(still_asleep, allocation.tag, allocation.size)
         logger.info(
             "graph-sleep wake_up(tags=%s): restored from host %s; remapped without backup %s%s; "
-            "still asleep %s; %s; %s",
+            "still asleep %s; %s; %s; %s",
             tags,
             _describe(restored),
             _describe(fresh),
             " (zeroed)" if self.zero_on_wake and fresh else "",
             _describe(still_asleep),
             "stack limit restored" if lowered else "stack limit unchanged",
+            settled,
             clock.summary(),
         )
 

@@ -69,6 +69,7 @@ class FakeVmmDriver:
         self.occupied_elsewhere = 0
         self.memory: dict[int, torch.Tensor] = {}  # address -> mapped bytes
         self.map_calls: list[int] = []
+        self.probes: list[int] = []  # devices probed (probe_mapping), in order
         self.unmap_calls: list[int] = []
         self.sync_calls = 0
         self.routing: list[FakePool] = []  # pools allocations go to, as torch sees it
@@ -140,6 +141,10 @@ class FakeVmmDriver:
     def set_stack_limit(self, device: int, size: int) -> None:
         self._maybe_fail("set_stack_limit", "cuCtxSetLimit failed: out of memory")
         self.stack_limits[device] = size
+
+    def probe_mapping(self, device: int) -> None:
+        self._maybe_fail("probe_mapping", "cuMemCreate failed: out of memory")
+        self.probes.append(device)
 
     def host_buffer(self, size: int) -> torch.Tensor:
         self._maybe_fail("host_buffer", "CUDA error: out of memory (pinned host allocation)")

@@ -14,6 +14,8 @@ import logging
 import re
 import subprocess
 import sys
+import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -865,6 +867,46 @@ def test_sleep_releases_the_stack_reservation_and_graphs_replay_after_wake():
     graph.replay()
     torch.cuda.synchronize()
     assert bool((out == 7).all())
+
+
+@fresh_process
+def test_the_driver_probe_maps_nothing_for_good_and_a_sleep_makes_it_from_its_thread(caplog):
+    """probe_mapping gives back all it maps, also from a thread that never
+    touched the device; after a sleep the allocator's thread probes twice and
+    the wake's log line says so (what it paid is printed, not asserted)."""
+    alloc = manager()
+    driver = alloc._driver
+    device = torch.cuda.current_device()
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    failures = []
+
+    def probe_from_a_new_thread():
+        try:
+            driver.probe_mapping(device)
+        except Exception as error:  # reported below, in the test's thread
+            failures.append(error)
+
+    thread = threading.Thread(target=probe_from_a_new_thread)
+    thread.start()
+    thread.join()
+    driver.probe_mapping(device)
+    assert failures == [] and torch.cuda.mem_get_info()[0] == free_before
+    with pytest.raises(RuntimeError, match=r"^(cu|hip)\w+ failed: "):
+        driver.probe_mapping(torch.cuda.device_count() + 7)
+
+    with alloc.use_memory_pool("kv_cache"):
+        kv = torch.ones(GIB, dtype=torch.uint8, device="cuda")
+    with alloc.use_memory_pool("weights"):
+        weights = torch.full((MIB,), 5.0, device="cuda")
+    alloc.sleep(offload_tags=("weights",))
+    time.sleep(0.5)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        alloc.wake_up()
+    (line,) = [r.getMessage() for r in caplog.records if "wake_up" in r.getMessage()]
+    print(line)
+    assert re.search(r"2 driver probe\(s\) while asleep, \d+\.\d ms;", line), line
+    assert float(weights.sum()) == 5.0 * MIB and kv.numel() == GIB
 
 
 CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory

@@ -1,0 +1,103 @@
+"""The driver probes a sleep leaves to a background thread (vllm_graph_sleep.settle),
+on the faked VMM layer (CPU): when they run, that a wake stops them first, that
+a failing probe costs nothing, and the switch."""
+
+import logging
+import threading
+import time
+
+import pytest
+
+from tests.unit.fake_vmm import FakeVmmDriver
+from vllm_graph_sleep.allocator import GraphSleepAllocator
+from vllm_graph_sleep.settle import PROBE_DELAYS_S, Settler
+
+MIB = 1 << 20
+
+
+def asleep(**kwargs):
+    driver = FakeVmmDriver(capacity=1 << 30)
+    manager = GraphSleepAllocator(driver, **kwargs)
+    with manager.allocation_tag("weights"):
+        driver.write(driver.malloc(2 * MIB), 7)
+    with manager.allocation_tag("kv_cache"):
+        driver.malloc(4 * MIB)
+    manager.sleep(offload_tags=("weights",))
+    return driver, manager
+
+
+def wait_for(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_sleep_probes_each_device_at_every_delay_and_the_wake_reports_it(caplog):
+    driver, manager = asleep()
+    assert driver.probes == []  # not during the sleep: the work it pays comes later
+    assert wait_for(lambda: len(driver.probes) == len(PROBE_DELAYS_S))
+    assert driver.probes == [0] * len(PROBE_DELAYS_S)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.wake_up()
+    assert f"{len(PROBE_DELAYS_S)} driver probe(s) while asleep" in caplog.text
+    assert bool((driver.read(next(iter(driver.memory))) == 7).all())
+
+
+def test_a_wake_right_after_the_sleep_stops_the_thread_before_any_probe(caplog):
+    driver, manager = asleep()
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.wake_up()
+    time.sleep(max(PROBE_DELAYS_S) + 0.1)
+    assert driver.probes == []
+    assert "0 driver probe(s) while asleep, 0.0 ms" in caplog.text
+    assert not any(t.name == "graph-sleep-settle" for t in threading.enumerate())
+
+
+def test_a_probe_that_fails_leaves_the_wake_to_pay_and_is_reported(caplog):
+    driver, manager = asleep()
+    driver.fail("probe_mapping")
+    time.sleep(max(PROBE_DELAYS_S) + 0.1)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.wake_up()
+    assert driver.probes == []  # the thread gave up after its first refusal
+    assert "a probe failed: cuMemCreate failed: out of memory" in caplog.text
+    assert driver.mapped_bytes() == 6 * MIB
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_the_probes_are_switched_off(monkeypatch, caplog, how):
+    if how == "environment":
+        monkeypatch.setenv("VLLM_GRAPH_SLEEP_SETTLE_AFTER_SLEEP", "0")
+        driver, manager = asleep()
+    else:
+        driver, manager = asleep(settle_after_sleep=False)
+    time.sleep(max(PROBE_DELAYS_S) + 0.1)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.wake_up()
+    assert driver.probes == []
+    assert "switched off: VLLM_GRAPH_SLEEP_SETTLE_AFTER_SLEEP" in caplog.text
+
+
+def test_a_second_sleep_restarts_the_probes_from_its_own_end():
+    probes = []
+    settler = Settler(probes.append, delays=(0.2,))
+    settler.start([1, 0, 1])
+    time.sleep(0.1)
+    settler.start([0])  # the first thread is stopped before its probe
+    assert wait_for(lambda: probes == [0])
+    time.sleep(0.3)
+    assert probes == [0]
+    assert settler.stop().startswith("1 driver probe(s) while asleep, ")
+    assert settler.stop() == "driver not probed while asleep"  # nothing left running
+
+
+def test_devices_are_probed_in_order_once_per_delay_and_nothing_without_devices():
+    probes = []
+    settler = Settler(probes.append, delays=(0.0, 0.01))
+    settler.start([])
+    assert settler.stop() == "driver not probed while asleep"
+    settler.start([1, 0, 1])
+    assert wait_for(lambda: len(probes) == 4)
+    assert probes == [0, 1, 0, 1]
+    assert settler.stop().startswith("4 driver probe(s) while asleep, ")
