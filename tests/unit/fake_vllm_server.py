@@ -246,7 +246,10 @@ class Handler(BaseHTTPRequestHandler):
             # The shape of each request, for the tests of how the bench asks.
             sys.stdout.write(f"fake-vllm: completion of {len(prompts)} prompt(s)\n")
             state.completions += 1
-            time.sleep(0.002 + 0.0002 * count)
+            # 2 ms per token: a decode of a few tokens must take measurably longer
+            # than one token even on a loaded 2-core CI machine (0.2 ms per token
+            # let the HTTP jitter make eight tokens look as fast as one).
+            time.sleep(0.002 + 0.002 * count)
             choices = [
                 {"index": i, "text": f"<{i}>", "token_ids": state.tokens(p, count)}
                 for i, p in enumerate(prompts)

@@ -15,9 +15,16 @@ from vllm_graph_sleep.settle import PROBE_DELAYS_S, Settler
 MIB = 1 << 20
 
 
-def asleep(**kwargs):
+def asleep(delays=None, fail_probes=False, **kwargs):
+    """An allocator asleep at level 1 on the fake; `delays` replaces the probe
+    schedule, `fail_probes` makes every probe fail (both before the sleep, so
+    no probe can run first on a slow machine)."""
     driver = FakeVmmDriver(capacity=1 << 30)
     manager = GraphSleepAllocator(driver, **kwargs)
+    if delays is not None:
+        manager._settler = Settler(driver.probe_mapping, delays=delays)
+    if fail_probes:
+        driver.fail("probe_mapping")
     with manager.allocation_tag("weights"):
         driver.write(driver.malloc(2 * MIB), 7)
     with manager.allocation_tag("kv_cache"):
@@ -35,7 +42,6 @@ def wait_for(condition, seconds=5.0):
 
 def test_a_sleep_probes_each_device_at_every_delay_and_the_wake_reports_it(caplog):
     driver, manager = asleep()
-    assert driver.probes == []  # not during the sleep: the work it pays comes later
     assert wait_for(lambda: len(driver.probes) == len(PROBE_DELAYS_S))
     assert driver.probes == [0] * len(PROBE_DELAYS_S)
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
@@ -44,19 +50,19 @@ def test_a_sleep_probes_each_device_at_every_delay_and_the_wake_reports_it(caplo
     assert bool((driver.read(next(iter(driver.memory))) == 7).all())
 
 
-def test_a_wake_right_after_the_sleep_stops_the_thread_before_any_probe(caplog):
-    driver, manager = asleep()
+def test_a_wake_before_the_first_probe_stops_the_thread_and_none_runs(caplog):
+    driver, manager = asleep(delays=(2.0,))
+    assert driver.probes == []  # not during the sleep: the work it pays comes later
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.wake_up()
-    time.sleep(max(PROBE_DELAYS_S) + 0.1)
+    time.sleep(2.2)
     assert driver.probes == []
     assert "0 driver probe(s) while asleep, 0.0 ms" in caplog.text
     assert not any(t.name == "graph-sleep-settle" for t in threading.enumerate())
 
 
 def test_a_probe_that_fails_leaves_the_wake_to_pay_and_is_reported(caplog):
-    driver, manager = asleep()
-    driver.fail("probe_mapping")
+    driver, manager = asleep(fail_probes=True)
     time.sleep(max(PROBE_DELAYS_S) + 0.1)
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.wake_up()
