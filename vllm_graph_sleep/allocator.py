@@ -29,7 +29,7 @@ Rules it keeps:
   raises `WakeUpError`, a wake that fails later lowers it again;
 - after a sleep, a background thread probes the driver twice (`settle.Settler`)
   so that the work the driver defers after a large release is paid while the
-  engine sleeps, not by the wake; a wake stops the thread before it starts;
+  engine sleeps, not by the wake; a wake first stops the thread;
 - on ROCm, memory that comes back without a backup is zeroed and the device
   synchronized before wake returns (amdgpu can hand back stale VRAM,
   vllm-project/vllm#44972); CUDA does not zero unless asked to.
