@@ -14,6 +14,7 @@ stopped growing. A wake stops the thread first and reports what it paid.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -52,6 +53,9 @@ class Settler:
             target=self._run, args=(devices, self._stop), name="graph-sleep-settle", daemon=True
         )
         self._thread.start()
+        # A daemon thread still in a probe when the interpreter exits would race
+        # the driver's own teardown, which runs after Python's exit handlers.
+        atexit.register(self.stop)
 
     def stop(self) -> str:
         """Stops the thread (a probe under way finishes first) and says what it
@@ -59,6 +63,7 @@ class Settler:
         thread, self._thread = self._thread, None
         if thread is None:
             return "driver not probed while asleep"
+        atexit.unregister(self.stop)
         self._stop.set()
         thread.join()
         paid = f"{len(self._paid)} driver probe(s) while asleep, {sum(self._paid):.1f} ms"

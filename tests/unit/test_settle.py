@@ -2,9 +2,13 @@
 on the faked VMM layer (CPU): when they run, that a wake stops them first, that
 a failing probe costs nothing, and the switch."""
 
+import gc
 import logging
+import subprocess
+import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -107,3 +111,33 @@ def test_devices_are_probed_in_order_once_per_delay_and_nothing_without_devices(
     assert wait_for(lambda: len(probes) == 4)
     assert probes == [0, 1, 0, 1]
     assert settler.stop().startswith("4 driver probe(s) while asleep, ")
+
+
+def test_an_exit_while_a_probe_runs_waits_for_it_and_a_stopped_settler_leaves_no_exit_hook(
+    tmp_path,
+):
+    # The thread is a daemon: without the exit hook the interpreter would end
+    # with the probe half done (on a GPU, racing the driver's teardown).
+    done = tmp_path / "probe-finished"
+    script = f"""
+import pathlib, time
+from vllm_graph_sleep.settle import Settler
+
+def slow_probe(device):
+    time.sleep(0.5)
+    pathlib.Path({str(done)!r}).write_text(str(device))
+
+Settler(slow_probe, delays=(0.0,)).start([3])
+time.sleep(0.1)  # the probe is under way when the script ends
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    assert done.read_text() == "3"
+
+    # Stopped, it is not held by an exit hook: allocators come and go in tests.
+    settler = Settler(lambda device: None, delays=(5.0,))
+    settler.start([0])
+    settler.stop()
+    gone = weakref.ref(settler)
+    del settler
+    gc.collect()
+    assert gone() is None
