@@ -12,27 +12,21 @@ import weakref
 
 import pytest
 
-from tests.unit.fake_vmm import FakeVmmDriver
-from vllm_graph_sleep.allocator import GraphSleepAllocator
+from tests.unit.test_allocator_bookkeeping import MIB, allocate, make
 from vllm_graph_sleep.settle import PROBE_DELAYS_S, Settler
-
-MIB = 1 << 20
 
 
 def asleep(delays=None, fail_probes=False, **kwargs):
     """An allocator asleep at level 1 on the fake; `delays` replaces the probe
     schedule, `fail_probes` makes every probe fail (both before the sleep, so
     no probe can run first on a slow machine)."""
-    driver = FakeVmmDriver(capacity=1 << 30)
-    manager = GraphSleepAllocator(driver, **kwargs)
+    driver, manager = make(**kwargs)
     if delays is not None:
         manager._settler = Settler(driver.probe_mapping, delays=delays)
     if fail_probes:
         driver.fail("probe_mapping")
-    with manager.allocation_tag("weights"):
-        driver.write(driver.malloc(2 * MIB), 7)
-    with manager.allocation_tag("kv_cache"):
-        driver.malloc(4 * MIB)
+    allocate(driver, manager, "weights", 2 * MIB, value=7)
+    allocate(driver, manager, "kv_cache", 4 * MIB)
     manager.sleep(offload_tags=("weights",))
     return driver, manager
 

@@ -243,8 +243,8 @@ class Scenario:
         step["is_sleeping_asleep"] = client.is_sleeping()
         step["asleep_used_bytes"] = settle(self.memory)
         step["asleep_report"] = self._report()
-        # A wake's first driver call appears to wait for the driver to finish freeing what
-        # the sleep gave back (H200 run 10), so how long each configuration stayed
+        # The first driver call some time after a sleep pays work the driver deferred,
+        # more the later it comes (H200 run 11), so how long each configuration stayed
         # asleep before its wake is part of comparing their wakes.
         step["asleep_s"] = time.monotonic() - slept_at
         self._event("wake", level=level, wake=wake)
