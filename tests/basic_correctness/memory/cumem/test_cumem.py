@@ -909,6 +909,40 @@ def test_the_driver_probe_maps_nothing_for_good_and_a_sleep_makes_it_from_its_th
     assert float(weights.sum()) == 5.0 * MIB and kv.numel() == GIB
 
 
+def test_a_process_that_exits_during_a_driver_probe_waits_for_it_and_exits_cleanly(tmp_path):
+    """The probe thread's exit hook on a real driver: the script ends while the
+    thread is inside a probe (held there after the real probe returns), and the
+    interpreter waits for it instead of tearing the context down under it."""
+    marks = tmp_path / "marks"
+    script = f"""
+import pathlib, time, torch
+from vllm_graph_sleep.allocator import GraphSleepAllocator
+
+marks = pathlib.Path({str(marks)!r})
+alloc = GraphSleepAllocator.get_instance()
+real_probe = alloc._settler._probe
+
+def probe_then_linger(device):
+    with marks.open("a") as f:
+        f.write("began\\n")
+    real_probe(device)
+    time.sleep(0.4)
+    with marks.open("a") as f:
+        f.write("ended\\n")
+
+alloc._settler._probe = probe_then_linger
+with alloc.use_memory_pool("weights"):
+    weights = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
+alloc.sleep(offload_tags=("weights",))
+time.sleep(0.2)  # the first probe (at 50 ms) is under way when the script ends
+"""
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert marks.read_text() == "began\nended\n", child.stderr[-2000:]
+
+
 CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory
 CUDA_ERROR_INVALID_VALUE = 1
 
