@@ -1,0 +1,121 @@
+"""The exponent codec: lossless for any bytes, and small for bf16 weights.
+
+On a GPU the kernels run compiled; without one each test runs in a fresh
+process with TRITON_INTERPRET=1, Triton's CPU interpreter (set before the
+kernels are defined, which is when Triton reads it), with short lanes so that
+the interpreter's per-step cost stays small. The interpreter runs the same
+kernel code with numpy's integer semantics; the compiled kernels' run on a
+GPU (benchmarks/exponent_codec.py, test_cumem.py) is what proves those."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.utils import fresh_process
+from vllm_graph_sleep import exponent_codec
+from vllm_graph_sleep.exponent_codec import MAX_CODE_BITS, build_table, decode_into, encode
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def interpreted_without_a_gpu(monkeypatch):
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(exponent_codec, "SYMBOLS_PER_LANE", 64)
+        monkeypatch.setattr(exponent_codec, "LANES_PER_PROGRAM", 16)
+
+
+def bf16_weights(count: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(count, generator=generator) * 0.02
+    return values.to(torch.bfloat16).view(torch.uint8).to(DEVICE)
+
+
+def round_trip(data: torch.Tensor) -> tuple[torch.Tensor, exponent_codec.Encoded]:
+    encoded = encode(data)
+    assert encoded is not None
+    out = torch.full_like(data, 0xA5)
+    decode_into(encoded, out)
+    return out, encoded
+
+
+def is_prefix_free(table) -> bool:
+    codes = [
+        format(code, f"0{length}b")
+        for code, length in zip(table.codes, table.lengths, strict=True)
+        if length
+    ]
+    return not any(a != b and b.startswith(a) for a in codes for b in codes)
+
+
+@fresh_process
+def test_bf16_weights_come_back_bit_exact_in_two_thirds_of_their_bytes():
+    # Sizes around the lane and program boundaries: a partial last program, a
+    # partial last lane. A piece too small to gain anything is left alone.
+    assert encode(bf16_weights(17)) is None
+    lane = exponent_codec.SYMBOLS_PER_LANE
+    for words in (3 * lane * exponent_codec.LANES_PER_PROGRAM + 5, 5 * lane + 3, 1000):
+        data = bf16_weights(words, seed=words)
+        out, encoded = round_trip(data)
+        assert torch.equal(out, data), words
+        # Sign and mantissa raw, exponents coded: two thirds of the bytes, before
+        # the lanes' padding and starts (under 0.5% with the real lane length).
+        histogram = exponent_codec.exponent_histogram(data.view(torch.int16))
+        coded = data.numel() // 2 + encoded.piece.table.coded_bits(histogram) / 8
+        assert coded < 0.67 * data.numel(), (words, coded)
+
+
+@fresh_process
+def test_any_bytes_come_back_bit_exact_or_are_left_as_they_are():
+    generator = torch.Generator().manual_seed(1)
+    noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=generator).to(DEVICE)
+    assert encode(noise) is None  # uniform exponents: nothing to gain
+    # fp32 and int32 data, zeros, one repeated value, and exponents with
+    # halving counts, whose optimal code would be 13 bits long at its tail.
+    floats = (torch.randn(2048, generator=generator) * 3).view(torch.uint8).to(DEVICE)
+    counters = torch.arange(2048, dtype=torch.int32).view(torch.uint8).to(DEVICE)
+    zeros = torch.zeros(4096, dtype=torch.uint8, device=DEVICE)
+    repeated = torch.full((2048,), 1.5, dtype=torch.bfloat16).view(torch.uint8).to(DEVICE)
+    counts = torch.tensor([1 << (12 - k) for k in range(13)] + [1])
+    exponents = torch.arange(100, 114, dtype=torch.int32).repeat_interleave(counts)
+    skewed = ((exponents << 7) | 0x8003).to(torch.int16).view(torch.uint8).to(DEVICE)
+    for name, data in [
+        ("fp32", floats),
+        ("int32", counters),
+        ("zeros", zeros),
+        ("repeated", repeated),
+        ("skewed", skewed),
+    ]:
+        encoded = encode(data)
+        if encoded is None:
+            continue
+        out = torch.full_like(data, 0x5A)
+        decode_into(encoded, out)
+        assert torch.equal(out, data), name
+    assert encode(zeros) is not None and encode(repeated) is not None
+    skewed_code = encode(skewed)
+    assert skewed_code is not None and max(skewed_code.piece.table.lengths) == MAX_CODE_BITS
+
+
+def test_the_code_is_canonical_prefix_free_and_within_the_length_limit():
+    # Geometric counts over all 256 values: plain Huffman would need 255 bits.
+    histogram = [1 << (255 - k) if k < 62 else 1 for k in range(256)]
+    table = build_table(histogram)
+    assert max(table.lengths) == MAX_CODE_BITS and min(table.lengths) >= 1
+    assert sum(2.0**-length for length in table.lengths if length) <= 1.0
+    assert is_prefix_free(table)
+    # Skewed counts that need no limit keep their optimal lengths.
+    table = build_table([0] * 100 + [8, 4, 2, 1, 1] + [0] * 151)
+    assert table.lengths[100:105] == (1, 2, 3, 4, 4) and sum(table.lengths) == 14
+    assert build_table([0] * 7 + [5] + [0] * 248).lengths[7] == 1
+
+
+def test_bad_input_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="even number of bytes"):
+        encode(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="even number of bytes"):
+        encode(torch.zeros(4, dtype=torch.int16))
+    assert encode(torch.zeros(0, dtype=torch.uint8)) is None

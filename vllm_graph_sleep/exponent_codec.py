@@ -1,0 +1,332 @@
+"""Lossless coding of bf16-like memory: fewer bytes over the host link.
+
+A level-1 wake of a large model is its weight copy, bound by the PCIe link
+(an 8B-class Llama: 255 ms of a 274 ms wake on an H200, docs/results/
+bench-h200-run12.md). bf16 weights waste most of their 8 exponent bits: for
+N(0, 0.02) the exponent carries 2.55 bits of information, and DFloat11 (Zhang
+et al., arXiv 2504.11651) finds about 2.6 in real LLM weights. This codec
+keeps each 16-bit word's sign and mantissa as one raw byte and gives its
+exponent a Huffman code, so a piece of memory crosses the link in about 66%
+of its bytes, and the GPU decodes it back bit for bit.
+
+It is lossless for any bytes, bf16 or not; memory whose exponent field is
+not skewed simply does not shrink, and `encode` says so (None) so that the
+caller copies it as it is.
+
+Format of one encoded piece of `n` 16-bit words (n * 2 bytes in), built and
+read on the device, laid out for coalesced access: the words are dealt to
+`lanes` lanes round-robin (word i belongs to lane i % lanes and is that
+lane's (i // lanes)-th symbol), and each lane's codes form its own
+bitstream, most significant bit first, padded to a 32-bit word; the streams
+follow one another. So the piece is:
+- `stream`: int32[total_words + 1], the lanes' streams (the extra word keeps
+  the decoder's read-ahead inside the buffer);
+- `starts`: int64[lanes], where each lane's stream starts, in words;
+- `raw`: uint8[n], each word's sign bit and 7 mantissa bits;
+- the code table (`Table`), kept by the caller beside the piece.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Longest code: the decoder looks codes up in a table of 2**MAX_CODE_BITS entries.
+MAX_CODE_BITS = 12
+# Symbols per lane: fewer lanes means less padding and fewer stream starts
+# (4 bytes of padding and 8 of start per lane, on average), more lanes more
+# parallelism; 1024 keeps both under 0.5% of the piece at 2.6 bits a symbol.
+SYMBOLS_PER_LANE = 1024
+LANES_PER_PROGRAM = 128
+# A piece that does not shrink below this share of its bytes is copied as it is.
+WORTHWHILE = 0.9
+
+
+@dataclass(frozen=True)
+class Table:
+    """A canonical Huffman code for the 256 exponent values."""
+
+    lengths: tuple[int, ...]  # bits per symbol; 0 for symbols that do not occur
+    codes: tuple[int, ...]
+
+    def encoder_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.tensor(self.codes, dtype=torch.int32, device=device)
+        lengths = torch.tensor(self.lengths, dtype=torch.int32, device=device)
+        return codes, lengths
+
+    def decoder_tensor(self, device: torch.device) -> torch.Tensor:
+        """Entry k of the lookup table: (length << 8) | symbol of the code that
+        the MAX_CODE_BITS bits k start with."""
+        lookup = [0] * (1 << MAX_CODE_BITS)
+        for symbol, (length, code) in enumerate(zip(self.lengths, self.codes, strict=True)):
+            if length:
+                first = code << (MAX_CODE_BITS - length)
+                for k in range(first, first + (1 << (MAX_CODE_BITS - length))):
+                    lookup[k] = (length << 8) | symbol
+        return torch.tensor(lookup, dtype=torch.int32, device=device)
+
+    def coded_bits(self, histogram: list[int]) -> int:
+        return sum(count * length for count, length in zip(histogram, self.lengths, strict=True))
+
+
+def _huffman_lengths(counts: list[int]) -> list[int]:
+    lengths = [0] * len(counts)
+    heap = [(count, symbol, (symbol,)) for symbol, count in enumerate(counts) if count > 0]
+    if len(heap) == 1:
+        lengths[heap[0][1]] = 1
+        return lengths
+    heapq.heapify(heap)
+    tiebreak = len(counts)
+    while len(heap) > 1:
+        first, second = heapq.heappop(heap), heapq.heappop(heap)
+        for symbol in first[2] + second[2]:
+            lengths[symbol] += 1
+        heapq.heappush(heap, (first[0] + second[0], tiebreak, first[2] + second[2]))
+        tiebreak += 1
+    return lengths
+
+
+def build_table(histogram: list[int]) -> Table:
+    """A canonical code for `histogram` (256 counts, at least one nonzero)
+    whose codes are at most MAX_CODE_BITS long.
+
+    Rare symbols would get longer codes; halving every count (keeping it
+    nonzero) flattens the tree until they fit, at a cost that is negligible
+    for the skewed histograms this is for (and 256 symbols of count 1 need 8)."""
+    counts = list(histogram)
+    lengths = _huffman_lengths(counts)
+    while max(lengths) > MAX_CODE_BITS:
+        counts = [(count >> 1) | 1 if count else 0 for count in counts]
+        lengths = _huffman_lengths(counts)
+    codes = [0] * len(lengths)
+    code, previous = 0, 0
+    for length, symbol in sorted((length, s) for s, length in enumerate(lengths) if length):
+        code <<= length - previous
+        codes[symbol] = code
+        code += 1
+        previous = length
+    return Table(tuple(lengths), tuple(codes))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What the decoder needs besides the three buffers (see module docstring)."""
+
+    symbols: int
+    lanes: int
+    total_words: int
+    table: Table
+
+    @property
+    def encoded_bytes(self) -> int:
+        return 4 * (self.total_words + 1) + 8 * self.lanes + self.symbols
+
+
+def _lanes(symbols: int) -> int:
+    return max(1, -(-symbols // SYMBOLS_PER_LANE))
+
+
+def exponent_histogram(words: torch.Tensor) -> list[int]:
+    """Counts of the 256 exponent values of `words` (int16, any device)."""
+    exponents = ((words >> 7) & 0xFF).to(torch.uint8)
+    return torch.bincount(exponents, minlength=256).tolist()
+
+
+@triton.jit
+def _exponent(words, index, ok):
+    word = tl.load(words + index, mask=ok, other=0).to(tl.int32)
+    return word, (word >> 7) & 0xFF
+
+
+@triton.jit
+def _count_kernel(
+    words,
+    symbols,
+    lanes,
+    lengths,
+    lane_bits,
+    SYMBOLS_PER_LANE: tl.constexpr,
+    LANES_PER_PROGRAM: tl.constexpr,
+):
+    lane = tl.program_id(0) * LANES_PER_PROGRAM + tl.arange(0, LANES_PER_PROGRAM)
+    lane_ok = lane < lanes
+    bits = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int32)
+    for i in range(SYMBOLS_PER_LANE):
+        index = i * lanes + lane
+        ok = lane_ok & (index < symbols)
+        _, symbol = _exponent(words, index, ok)
+        bits += tl.where(ok, tl.load(lengths + symbol), 0)
+    tl.store(lane_bits + lane, bits, mask=lane_ok)
+
+
+@triton.jit
+def _encode_kernel(
+    words,
+    symbols,
+    lanes,
+    codes,
+    lengths,
+    starts,
+    stream,
+    raw,
+    SYMBOLS_PER_LANE: tl.constexpr,
+    LANES_PER_PROGRAM: tl.constexpr,
+):
+    lane = tl.program_id(0) * LANES_PER_PROGRAM + tl.arange(0, LANES_PER_PROGRAM)
+    lane_ok = lane < lanes
+    at = tl.load(starts + lane, mask=lane_ok, other=0)
+    pending = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int64)  # `held` bits, low end
+    held = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int32)
+    one = tl.full([LANES_PER_PROGRAM], 1, tl.int64)
+    for i in range(SYMBOLS_PER_LANE):
+        index = i * lanes + lane
+        ok = lane_ok & (index < symbols)
+        word, symbol = _exponent(words, index, ok)
+        tl.store(raw + index, (((word >> 8) & 0x80) | (word & 0x7F)).to(tl.uint8), mask=ok)
+        length = tl.where(ok, tl.load(lengths + symbol), 0)
+        code = tl.where(ok, tl.load(codes + symbol), 0)
+        pending = (pending << length.to(tl.int64)) | code.to(tl.int64)
+        held += length
+        full = held >= 32
+        out = (pending >> tl.maximum(held - 32, 0).to(tl.int64)) & 0xFFFFFFFF
+        tl.store(stream + at, out.to(tl.int32), mask=full)
+        at += full.to(tl.int64)
+        held = tl.where(full, held - 32, held)
+        pending = pending & ((one << held.to(tl.int64)) - 1)
+    tail = (pending << (32 - held).to(tl.int64)) & 0xFFFFFFFF
+    tl.store(stream + at, tail.to(tl.int32), mask=lane_ok & (held > 0))
+
+
+@triton.jit
+def _decode_kernel(
+    stream,
+    total_words,
+    starts,
+    raw,
+    lookup,
+    out,
+    symbols,
+    lanes,
+    SYMBOLS_PER_LANE: tl.constexpr,
+    LANES_PER_PROGRAM: tl.constexpr,
+    MAX_CODE_BITS: tl.constexpr,
+):
+    lane = tl.program_id(0) * LANES_PER_PROGRAM + tl.arange(0, LANES_PER_PROGRAM)
+    lane_ok = lane < lanes
+    at = tl.load(starts + lane, mask=lane_ok, other=0)
+    buffered = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int64)  # `held` bits, low end
+    held = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int32)
+    one = tl.full([LANES_PER_PROGRAM], 1, tl.int64)
+    for i in range(SYMBOLS_PER_LANE):
+        index = i * lanes + lane
+        ok = lane_ok & (index < symbols)
+        refill = ok & (held < MAX_CODE_BITS)
+        word = tl.load(stream + at, mask=refill & (at <= total_words), other=0)
+        word = word.to(tl.int64) & 0xFFFFFFFF
+        buffered = tl.where(refill, (buffered << 32) | word, buffered)
+        held = tl.where(refill, held + 32, held)
+        at += refill.to(tl.int64)
+        peek = (buffered >> tl.maximum(held - MAX_CODE_BITS, 0).to(tl.int64)) & (
+            (1 << MAX_CODE_BITS) - 1
+        )
+        entry = tl.load(lookup + peek, mask=ok, other=0)
+        length = tl.where(ok, entry >> 8, 0)
+        held -= length
+        buffered = buffered & ((one << held.to(tl.int64)) - 1)
+        sign_mantissa = tl.load(raw + index, mask=ok, other=0).to(tl.int32)
+        value = ((sign_mantissa & 0x80) << 8) | ((entry & 0xFF) << 7) | (sign_mantissa & 0x7F)
+        tl.store(out + index, value.to(tl.int16), mask=ok)
+
+
+class Encoded:
+    """One encoded piece: its three device (or host) buffers and its `Piece`."""
+
+    def __init__(self, piece: Piece, stream: torch.Tensor, starts: torch.Tensor, raw: torch.Tensor):
+        self.piece = piece
+        self.stream = stream
+        self.starts = starts
+        self.raw = raw
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Encoded:
+        return Encoded(
+            self.piece,
+            self.stream.to(device, non_blocking=non_blocking),
+            self.starts.to(device, non_blocking=non_blocking),
+            self.raw.to(device, non_blocking=non_blocking),
+        )
+
+
+def encode(data: torch.Tensor, table: Table | None = None) -> Encoded | None:
+    """Encodes `data` (uint8, an even number of bytes, contiguous) on its
+    device; None when it would not shrink below WORTHWHILE of its size."""
+    if data.dtype != torch.uint8 or data.numel() % 2 or not data.is_contiguous():
+        raise ValueError("encode takes contiguous uint8 data of an even number of bytes")
+    words16 = data.view(torch.int16)
+    symbols = words16.numel()
+    if symbols == 0:
+        return None
+    if table is None:
+        table = build_table(exponent_histogram(words16))
+    codes, lengths = table.encoder_tensors(data.device)
+    lanes = _lanes(symbols)
+    grid = (triton.cdiv(lanes, LANES_PER_PROGRAM),)
+    lane_bits = torch.empty(lanes, dtype=torch.int32, device=data.device)
+    _count_kernel[grid](
+        words16,
+        symbols,
+        lanes,
+        lengths,
+        lane_bits,
+        SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
+        LANES_PER_PROGRAM=LANES_PER_PROGRAM,
+    )
+    lane_words = (lane_bits.to(torch.int64) + 31) // 32
+    ends = torch.cumsum(lane_words, dim=0)
+    total_words = int(ends[-1])
+    piece = Piece(symbols, lanes, total_words, table)
+    if piece.encoded_bytes > WORTHWHILE * data.numel():
+        return None
+    starts = ends - lane_words
+    stream = torch.zeros(total_words + 1, dtype=torch.int32, device=data.device)
+    raw = torch.empty(symbols, dtype=torch.uint8, device=data.device)
+    _encode_kernel[grid](
+        words16,
+        symbols,
+        lanes,
+        codes,
+        lengths,
+        starts,
+        stream,
+        raw,
+        SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
+        LANES_PER_PROGRAM=LANES_PER_PROGRAM,
+    )
+    return Encoded(piece, stream, starts, raw)
+
+
+def decode_into(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor | None = None) -> None:
+    """Decodes `encoded` (its buffers on `out`'s device) into `out` (uint8,
+    the piece's size), on the current stream."""
+    piece = encoded.piece
+    if out.dtype != torch.uint8 or out.numel() != 2 * piece.symbols or not out.is_contiguous():
+        raise ValueError(f"decode_into needs {2 * piece.symbols} contiguous uint8 bytes")
+    if lookup is None:
+        lookup = piece.table.decoder_tensor(out.device)
+    grid = (triton.cdiv(piece.lanes, LANES_PER_PROGRAM),)
+    _decode_kernel[grid](
+        encoded.stream,
+        piece.total_words,
+        encoded.starts,
+        encoded.raw,
+        lookup,
+        out.view(torch.int16),
+        piece.symbols,
+        piece.lanes,
+        SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
+        LANES_PER_PROGRAM=LANES_PER_PROGRAM,
+        MAX_CODE_BITS=MAX_CODE_BITS,
+    )
