@@ -44,13 +44,16 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
 from vllm_graph_sleep.config import NO_VALUES, YES_VALUES, parse_yes_no
 from vllm_graph_sleep.settle import Settler
+
+if TYPE_CHECKING:
+    from vllm_graph_sleep.coded_backup import CodedBackup
 
 logger = logging.getLogger("vllm.graph_sleep")
 
@@ -70,6 +73,9 @@ RELEASE_HOST_MEMORY_ENV = "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY"
 RELEASE_STACK_ENV = "VLLM_GRAPH_SLEEP_RELEASE_STACK"
 RELEASE_BLAS_WORKSPACES_ENV = "VLLM_GRAPH_SLEEP_RELEASE_BLAS_WORKSPACES"
 SETTLE_AFTER_SLEEP_ENV = "VLLM_GRAPH_SLEEP_SETTLE_AFTER_SLEEP"
+# Weight backups coded on the device (coded_backup): about two thirds of the
+# bytes over the host link for bf16 weights. Off by default until measured.
+COMPRESS_BACKUPS_ENV = "VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS"
 WHOLE_GRAPH_POOL_BACKUP_ENV = "VLLM_GRAPH_SLEEP_BACK_UP_WHOLE_GRAPH_POOL"
 # How the driver pins host buffers: "registered" (default) or "torch".
 HOST_BUFFERS_ENV = "VLLM_GRAPH_SLEEP_HOST_BUFFERS"
@@ -89,6 +95,7 @@ SWITCH_ENVS = (
     RELEASE_STACK_ENV,
     RELEASE_BLAS_WORKSPACES_ENV,
     SETTLE_AFTER_SLEEP_ENV,
+    COMPRESS_BACKUPS_ENV,
     WHOLE_GRAPH_POOL_BACKUP_ENV,
     POISON_GRAPH_SCRATCH_ENV,
     POISON_REMAPPED_ENV,
@@ -125,6 +132,13 @@ class Allocation:
     # Left by an earlier engine of this process and still referenced (vLLM keeps
     # some module-level caches): never slept, not counted, freed when it dies.
     orphaned: bool = False
+    # The backup's coded pieces (views of `host`), when weight backups are coded.
+    coded: CodedBackup | None = None
+
+    def drop_host(self) -> None:
+        """Lets the host buffer go, with the coded pieces that view it."""
+        self.host = None
+        self.coded = None
 
     def backup_bytes(self) -> int:
         if self.backup_ranges is None:
@@ -186,6 +200,15 @@ class _PhaseClock:
         return f"{time.perf_counter() - self._start:.3f} s ({', '.join(self._laps)})"
 
 
+def _coded_note(allocations: list[Allocation]) -> str:
+    coded = [allocation for allocation in allocations if allocation.coded is not None]
+    if not coded:
+        return ""
+    into = sum(allocation.coded.coded_bytes for allocation in coded)
+    raw = sum(allocation.backup_bytes() for allocation in coded)
+    return f" (weights coded: {format_bytes(raw)} in {format_bytes(into)})"
+
+
 def _add(per_tag: dict[str, int], tag: str, size: int) -> None:
     per_tag[tag] = per_tag.get(tag, 0) + size
 
@@ -213,6 +236,7 @@ class GraphSleepAllocator:
         release_blas_workspaces: bool | None = None,
         whole_graph_pool_backup: bool | None = None,
         settle_after_sleep: bool | None = None,
+        compress_backups: bool | None = None,
     ):
         self._driver = driver
         self.allocations: dict[int, Allocation] = {}
@@ -245,6 +269,9 @@ class GraphSleepAllocator:
         if settle_after_sleep is None:
             settle_after_sleep = env_switch(SETTLE_AFTER_SLEEP_ENV) is not False
         self._settler = Settler(driver.probe_mapping) if settle_after_sleep else None
+        if compress_backups is None:
+            compress_backups = bool(env_switch(COMPRESS_BACKUPS_ENV))
+        self.compress_backups = compress_backups
         self.poison_graph_scratch = bool(env_switch(POISON_GRAPH_SCRATCH_ENV))
         self.poison_remapped = bool(env_switch(POISON_REMAPPED_ENV))
         # device -> the stack limit a wake puts back (only while it is lowered)
@@ -274,7 +301,7 @@ class GraphSleepAllocator:
             # The caching allocator may hand a block back while kernels queued
             # on other streams still use it; unmapping then would fault them.
             self._driver.synchronize(allocation.device)
-        allocation.host = None
+        allocation.drop_host()
         return allocation.size, allocation.handle, allocation.mapped
 
     # -- pools -------------------------------------------------------------
@@ -383,7 +410,7 @@ class GraphSleepAllocator:
         # last release point. Backups of what is asleep stay for a wake.
         for allocation in self.allocations.values():
             if allocation.mapped:
-                allocation.host = None
+                allocation.drop_host()
         self._driver.release_dropped_host_buffers()
         if self.allocations:
             logger.info(
@@ -695,7 +722,7 @@ class GraphSleepAllocator:
                 failures.append(f"{allocation.address:#x}: {error}")
                 continue
             allocation.mapped = False
-            allocation.host = None
+            allocation.drop_host()
             allocation.has_backup = False
             _add(dropped, allocation.tag, allocation.size)
         if failures:
@@ -711,8 +738,9 @@ class GraphSleepAllocator:
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
         clock.lap("host buffers given back")
         logger.info(
-            "graph-sleep sleep: backed up %s; dropped %s; %s; %s; %s",
+            "graph-sleep sleep: backed up %s%s; dropped %s; %s; %s; %s",
             _describe(kept),
+            _coded_note(released),
             _describe(dropped),
             stack,
             workspaces,
@@ -769,14 +797,25 @@ class GraphSleepAllocator:
             held = 0 if allocation.host is None else allocation.host.numel()
             # Reused across cycles; replaced when too small or far too large.
             if needed == 0:
-                allocation.host = None
+                allocation.drop_host()
             elif not needed <= held <= 2 * needed:
-                allocation.host = None
+                allocation.drop_host()
                 allocation.host = self._driver.host_buffer(needed)
-            for device_range, host_range in self._backup_pairs(allocation):
+            pairs = self._backup_pairs(allocation)
+            if self.compress_backups and allocation.tag == WEIGHTS_TAG and pairs:
+                # Imported here: it brings Triton, which nothing else needs.
+                from vllm_graph_sleep import coded_backup
+
+                allocation.coded = coded_backup.back_up(pairs)
+                continue
+            allocation.coded = None
+            for device_range, host_range in pairs:
                 host_range.copy_(device_range, non_blocking=True)
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
+        if any(allocation.coded is not None for allocation in allocations):
+            # The coder's scratch, cached by torch outside our pools.
+            self._driver.release_cached_memory(collect_garbage=False)
         for allocation in allocations:
             allocation.has_backup = True
 
@@ -908,7 +947,7 @@ class GraphSleepAllocator:
             allocation.mapped = True
             allocation.has_backup = False
             if self.release_host_memory:
-                allocation.host = None
+                allocation.drop_host()
         self._driver.release_dropped_host_buffers()
         clock.lap("host buffers given back")
         still_asleep: dict[str, int] = {}
@@ -933,6 +972,7 @@ class GraphSleepAllocator:
         asked; returns bytes per tag restored and remapped without backup."""
         restored: dict[str, int] = {}
         fresh: dict[str, int] = {}
+        coded = []
         for allocation in mapped:
             if allocation.has_backup:
                 partial = allocation.backup_bytes() < allocation.size
@@ -940,8 +980,11 @@ class GraphSleepAllocator:
                     self._device_bytes(allocation).fill_(POISON_BYTE)
                 elif partial and self.zero_on_wake:
                     self._device_bytes(allocation).zero_()
-                for device_range, host_range in self._backup_pairs(allocation):
-                    device_range.copy_(host_range, non_blocking=True)
+                if allocation.coded is not None:
+                    coded.append((allocation.coded, self._backup_pairs(allocation)))
+                else:
+                    for device_range, host_range in self._backup_pairs(allocation):
+                        device_range.copy_(host_range, non_blocking=True)
                 _add(restored, allocation.tag, allocation.backup_bytes())
                 if partial:
                     _add(fresh, allocation.tag, allocation.size - allocation.backup_bytes())
@@ -951,8 +994,15 @@ class GraphSleepAllocator:
                 elif self.zero_on_wake:
                     self._device_bytes(allocation).zero_()
                 _add(fresh, allocation.tag, allocation.size)
+        if coded:
+            from vllm_graph_sleep import coded_backup
+
+            coded_backup.restore(coded)
         for device in {allocation.device for allocation in mapped}:
             self._driver.synchronize(device)
+        if coded:
+            # The decoder's staging slots, cached by torch outside our pools.
+            self._driver.release_cached_memory(collect_garbage=False)
         return restored, fresh
 
     def claim_graph_pool(self) -> None:
@@ -1007,7 +1057,7 @@ class GraphSleepAllocator:
                 self._driver.unmap_and_release(*self._handle(allocation))
                 allocation.mapped = False
                 freed += allocation.size
-            allocation.host = None
+            allocation.drop_host()
             allocation.has_backup = False
         self._driver.release_dropped_host_buffers()
         logger.info("graph-sleep discard(%s): released %s", list(selected), format_bytes(freed))

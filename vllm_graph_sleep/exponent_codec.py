@@ -60,14 +60,16 @@ class Table:
 
     def decoder_tensor(self, device: torch.device) -> torch.Tensor:
         """Entry k of the lookup table: (length << 8) | symbol of the code that
-        the MAX_CODE_BITS bits k start with."""
-        lookup = [0] * (1 << MAX_CODE_BITS)
-        for symbol, (length, code) in enumerate(zip(self.lengths, self.codes, strict=True)):
-            if length:
-                first = code << (MAX_CODE_BITS - length)
-                for k in range(first, first + (1 << (MAX_CODE_BITS - length))):
-                    lookup[k] = (length << 8) | symbol
-        return torch.tensor(lookup, dtype=torch.int32, device=device)
+        the MAX_CODE_BITS bits k start with. Canonical codes, taken in order,
+        cover the table's entries from 0 up, each 2**(MAX_CODE_BITS - length)
+        of them (the rest, of a code with one symbol, stays 0)."""
+        order = sorted((length, s) for s, length in enumerate(self.lengths) if length)
+        entries = torch.tensor([(length << 8) | s for length, s in order], dtype=torch.int32)
+        spans = torch.tensor([1 << (MAX_CODE_BITS - length) for length, _ in order])
+        lookup = torch.zeros(1 << MAX_CODE_BITS, dtype=torch.int32)
+        covered = torch.repeat_interleave(entries, spans)
+        lookup[: covered.numel()] = covered
+        return lookup.to(device)
 
     def coded_bits(self, histogram: list[int]) -> int:
         return sum(count * length for count, length in zip(histogram, self.lengths, strict=True))
@@ -330,3 +332,60 @@ def decode_into(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor | None
         LANES_PER_PROGRAM=LANES_PER_PROGRAM,
         MAX_CODE_BITS=MAX_CODE_BITS,
     )
+
+
+def restore(pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, torch.Tensor]) -> None:
+    """Decodes host-resident pieces into their device destinations, copying
+    the next piece over the link while the current one decodes.
+
+    `pieces`: (encoded piece in page-locked host memory, its uint8 destination
+    on the current device); `lookups`: each piece's decoder table, already on
+    the device (made before, so that no copy of ours stalls the pipeline). Two
+    staging slots on the device, each the size of the largest piece; the
+    copies run on a stream of their own, the decodes on the current stream,
+    which the caller synchronizes (the slots are freed after that)."""
+    if not pieces:
+        return
+    if not pieces[0][1].is_cuda:
+        # The unit tests' fake devices are CPU memory: nothing to overlap.
+        for host, out in pieces:
+            decode_into(host, out, lookups[host.piece.table])
+        return
+    compute = torch.cuda.current_stream()
+    copier = torch.cuda.Stream()
+    sizes = [
+        max(getattr(e, name).numel() for e, _ in pieces) for name in ("stream", "starts", "raw")
+    ]
+    slots = [
+        (
+            torch.empty(sizes[0], dtype=torch.int32, device=compute.device),
+            torch.empty(sizes[1], dtype=torch.int64, device=compute.device),
+            torch.empty(sizes[2], dtype=torch.uint8, device=compute.device),
+        )
+        for _ in range(2)
+    ]
+    copied = [torch.cuda.Event() for _ in slots]
+    decoded = [torch.cuda.Event() for _ in slots]
+    copier.wait_stream(compute)  # the destinations are mapped and ready
+    for index, (host, out) in enumerate(pieces):
+        slot = index % 2
+        stream, starts, raw = slots[slot]
+        with torch.cuda.stream(copier):
+            if index >= 2:
+                copier.wait_event(decoded[slot])
+            staged = Encoded(
+                host.piece,
+                stream[: host.stream.numel()],
+                starts[: host.starts.numel()],
+                raw[: host.raw.numel()],
+            )
+            staged.stream.copy_(host.stream, non_blocking=True)
+            staged.starts.copy_(host.starts, non_blocking=True)
+            staged.raw.copy_(host.raw, non_blocking=True)
+            copied[slot].record(copier)
+        compute.wait_event(copied[slot])
+        decode_into(staged, out, lookups[host.piece.table])
+        decoded[slot].record(compute)
+    for slot in slots:
+        for buffer in slot:
+            buffer.record_stream(copier)

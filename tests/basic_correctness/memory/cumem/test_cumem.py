@@ -943,6 +943,34 @@ time.sleep(0.2)  # the first probe (at 50 ms) is under way when the script ends
     assert marks.read_text() == "began\nended\n", child.stderr[-2000:]
 
 
+@fresh_process
+def test_coded_weight_backups_come_back_bit_exact_in_two_thirds_of_the_bytes(caplog):
+    """VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS on a real GPU: the compiled coder and
+    decoder, the wake's two-stream pipeline, poisoned remaps, three cycles."""
+    alloc = manager()
+    alloc.compress_backups = True
+    generator = torch.Generator("cuda").manual_seed(0)
+    source = (torch.randn(96 * MIB, generator=generator, device="cuda") * 0.02).to(torch.bfloat16)
+    noise_source = torch.randint(0, 256, (8 * MIB,), dtype=torch.uint8, device="cuda")
+    with alloc.use_memory_pool("weights"):
+        weights = torch.empty_like(source)  # 192 MiB: three pieces
+        noise = torch.empty_like(noise_source)
+    weights.copy_(source)
+    noise.copy_(noise_source)
+    for _ in range(3):
+        with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+            alloc.sleep(offload_tags=("weights",))
+        (line,) = [r.getMessage() for r in caplog.records if "graph-sleep sleep" in r.getMessage()]
+        caplog.clear()
+        print(line)
+        allocation = allocation_of(alloc, weights)
+        assert allocation.coded is not None, line
+        assert allocation.coded.coded_bytes < 0.7 * allocation.backup_bytes(), line
+        with poisoned_remaps(alloc):
+            alloc.wake_up()
+        assert torch.equal(weights, source) and torch.equal(noise, noise_source)
+
+
 CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory
 CUDA_ERROR_INVALID_VALUE = 1
 

@@ -1,0 +1,155 @@
+"""What the exponent codec would give a level-1 wake, measured on one GPU.
+
+An 8B-class Llama's level-1 wake is its weight copy over the PCIe link (H200
+run 12: copies 254.9 ms of a 274 ms wake, stock with graphs 322 ms; issue 15
+asks for 0.6x, 193 ms). This makes `--gib` GiB of bf16 weights the way the
+bench's models are made (N(0, 0.02), on the GPU), and measures, each
+`--repeats` times:
+
+- `plain`: the wake today: one copy of the raw bytes from page-locked host
+  memory into device memory;
+- `pipelined`: the codec's wake: the encoded pieces (`--piece-mib` MiB each,
+  in page-locked host memory) copied on a stream of their own while the
+  previous piece decodes (`exponent_codec.restore`);
+- `decode`: decoding alone, from device memory;
+- `encode` and `backup_encoded`: what a sleep would add (encoding on the device)
+  and copy (the encoded bytes, device to host), against `backup_plain`.
+
+Every pipelined restore is checked bit for bit against the original. The
+projection applies the pipelined/plain ratio to run 12's 8B copy time:
+19 ms outside the copy + 254.9 ms x ratio, against stock's 321.7 ms.
+
+    python benchmarks/exponent_codec.py --gib 4 --piece-mib 64 --repeats 3 --out codec.json
+
+Prints `RESULT {json}`. Exit status: 0 when every restore was bit-exact, 1
+when one was not, 2 without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from vllm_graph_sleep import exponent_codec
+
+MIB = 1 << 20
+GIB = 1 << 30
+# H200 run 12, 8B-class Llama (docs/results/bench-h200-run12.md).
+RUN12_OUTSIDE_COPY_MS = 274.0 - 254.9
+RUN12_COPY_MS = 254.9
+RUN12_STOCK_WAKE_MS = 321.7
+
+
+def timed(work) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    work()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start)
+
+
+def pinned_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gib", type=int, default=4)
+    parser.add_argument("--piece-mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    generator = torch.Generator(device).manual_seed(0)
+    total = args.gib * GIB
+    weights = torch.randn(total // 2, generator=generator, device=device) * 0.02
+    data = weights.to(torch.bfloat16).view(torch.uint8)
+    del weights
+    piece_bytes = args.piece_mib * MIB
+    pieces = list(data.split(piece_bytes))
+
+    encoded: list[exponent_codec.Encoded] = []
+    encode_ms = timed(lambda: encoded.extend(exponent_codec.encode(p) for p in pieces))
+    if any(e is None for e in encoded):
+        print("a piece did not shrink", file=sys.stderr)
+        return 1
+    encoded_bytes = sum(e.piece.encoded_bytes for e in encoded)
+    lookups = {e.piece.table: e.piece.table.decoder_tensor(device) for e in encoded}
+
+    raw_host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    hosts = [
+        exponent_codec.Encoded(
+            e.piece, pinned_like(e.stream), pinned_like(e.starts), pinned_like(e.raw)
+        )
+        for e in encoded
+    ]
+
+    def back_up_encoded() -> None:
+        for e, h in zip(encoded, hosts, strict=True):
+            h.stream.copy_(e.stream, non_blocking=True)
+            h.starts.copy_(e.starts, non_blocking=True)
+            h.raw.copy_(e.raw, non_blocking=True)
+
+    out = torch.empty_like(data)
+    destinations = list(out.split(piece_bytes))
+    runs: dict[str, list[float]] = {
+        name: [] for name in ("backup_plain", "backup_encoded", "plain", "decode", "pipelined")
+    }
+    pairs = list(zip(hosts, destinations, strict=True))
+    exact = True
+    for _ in range(args.repeats):
+        runs["backup_plain"].append(timed(lambda: raw_host.copy_(data, non_blocking=True)))
+        runs["backup_encoded"].append(timed(back_up_encoded))
+        out.fill_(0xA5)
+        runs["plain"].append(timed(lambda: out.copy_(raw_host, non_blocking=True)))
+        exact &= torch.equal(out, data)
+        out.fill_(0xA5)
+        runs["decode"].append(
+            timed(
+                lambda: [
+                    exponent_codec.decode_into(e, o, lookups[e.piece.table])
+                    for e, o in zip(encoded, destinations, strict=True)
+                ]
+            )
+        )
+        exact &= torch.equal(out, data)
+        out.fill_(0xA5)
+        runs["pipelined"].append(timed(lambda: exponent_codec.restore(pairs, lookups)))
+        exact &= torch.equal(out, data)
+
+    median = {name: statistics.median(times) for name, times in runs.items()}
+    projected = RUN12_OUTSIDE_COPY_MS + RUN12_COPY_MS * median["pipelined"] / median["plain"]
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "gib": args.gib,
+        "piece_mib": args.piece_mib,
+        "encoded_share": encoded_bytes / total,
+        "encode_ms": encode_ms,
+        "runs_ms": runs,
+        "median_ms": median,
+        "plain_gb_s": total / median["plain"] / 1e6,
+        "pipelined_over_plain": median["pipelined"] / median["plain"],
+        "decode_gb_s": total / median["decode"] / 1e6,
+        "projected_8b_wake_ms": projected,
+        "projected_8b_wake_ratio": projected / RUN12_STOCK_WAKE_MS,
+        "bit_exact": exact,
+    }
+    print("RESULT " + json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Weight backups coded on the device (VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1),
+through the allocator with the fake driver: every byte comes back, bf16
+weights take about two thirds of the bytes on the host, what does not shrink
+is kept raw. Each test runs in a fresh process with Triton's CPU interpreter
+(see test_exponent_codec.py), with 1 MiB pieces: two to an allocation."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.unit.test_allocator_bookkeeping import allocate, make
+from tests.utils import fresh_process
+from vllm_graph_sleep import coded_backup, exponent_codec
+
+MIB = 1 << 20
+SIZE = 2 * MIB  # the fake driver's granule
+
+
+@pytest.fixture(autouse=True)
+def interpreted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(exponent_codec, "SYMBOLS_PER_LANE", 256)
+    monkeypatch.setattr(exponent_codec, "LANES_PER_PROGRAM", 1024)
+    monkeypatch.setattr(coded_backup, "PIECE_BYTES", MIB)
+
+
+def bf16_bytes(size: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(size // 2, generator=generator) * 0.02).to(torch.bfloat16).view(torch.uint8)
+
+
+@fresh_process
+def test_coded_weight_backups_come_back_bit_exact_in_fewer_bytes(caplog):
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    noise = allocate(driver, manager, "weights", SIZE)
+    runtime = allocate(driver, manager, "runtime", SIZE)
+    driver.memory[weights].copy_(bf16_bytes(SIZE, seed=1))
+    generator = torch.Generator().manual_seed(2)
+    noise_bytes = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=generator)
+    driver.memory[noise].copy_(noise_bytes)
+    driver.memory[runtime].copy_(bf16_bytes(SIZE, seed=3))
+    expected = {address: driver.memory[address].clone() for address in (weights, noise, runtime)}
+
+    for cycle in range(2):
+        with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+            manager.sleep(offload_tags=("weights", "runtime"))
+        coded = manager.allocations[weights].coded
+        assert coded is not None and len(coded.pieces) == 2
+        assert all(piece.coded is not None for piece in coded.pieces)
+        assert coded.coded_bytes < 0.7 * SIZE
+        assert all(piece.coded is None for piece in manager.allocations[noise].coded.pieces)
+        assert manager.allocations[runtime].coded is None  # only weights are coded
+        (line,) = [r.getMessage() for r in caplog.records if "graph-sleep sleep" in r.getMessage()]
+        assert "(weights coded: 4.00 MiB in 3.3" in line, line
+        caplog.clear()
+        manager.wake_up()
+        for address, contents in expected.items():
+            assert torch.equal(driver.memory[address], contents), (cycle, hex(address))
+
+
+@fresh_process
+def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_bytes(SIZE, seed=4))
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    assert manager.allocations[weights].coded is not None  # kept with its buffer for reuse
+    manager.sleep(offload_tags=())
+    allocation = manager.allocations[weights]
+    assert allocation.coded is None and allocation.host is None and not allocation.has_backup
+
+
+def test_backups_are_not_coded_unless_switched_on(monkeypatch):
+    monkeypatch.delenv("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", raising=False)
+    driver, manager = make()
+    weights = allocate(driver, manager, "weights", SIZE, value=7)
+    manager.sleep(offload_tags=("weights",))
+    assert manager.allocations[weights].coded is None
+    manager.wake_up()
+    assert int(driver.memory[weights].sum()) == 7 * SIZE

@@ -1,0 +1,113 @@
+"""A weight allocation's host backup in the exponent codec's format.
+
+With VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1 a sleep codes each weight allocation's
+backup on the device (`exponent_codec`) and copies the coded pieces into the
+allocation's host buffer, where they take about two thirds of the room the raw
+bytes would; a wake copies them back while the previous piece decodes
+(`exponent_codec.restore`). A piece that does not shrink is kept raw. The host
+buffer keeps its raw size, so a backup always fits whatever the weights hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_graph_sleep import exponent_codec
+from vllm_graph_sleep.exponent_codec import Encoded, Table
+
+# Bytes a wake decodes per piece; each of the wake's two staging slots holds one
+# coded piece (about 43 MiB for this size).
+PIECE_BYTES = 64 << 20
+_ALIGN = 8
+
+
+@dataclasses.dataclass
+class _Piece:
+    pair: int  # index into the allocation's (device range, host range) pairs
+    offset: int  # bytes into the device range
+    size: int
+    coded: Encoded | None  # views into the host buffer; None: raw
+    raw: torch.Tensor | None  # the host bytes of a raw piece
+
+
+@dataclasses.dataclass
+class CodedBackup:
+    table: Table
+    pieces: list[_Piece]
+
+    @property
+    def coded_bytes(self) -> int:
+        return sum(p.size if p.coded is None else p.coded.piece.encoded_bytes for p in self.pieces)
+
+
+def _aligned(at: int) -> int:
+    return -(-at // _ALIGN) * _ALIGN
+
+
+def _place(host: torch.Tensor, encoded: Encoded) -> Encoded | None:
+    """Views of `host` for `encoded`'s three buffers, copies queued into them;
+    None when they would not fit in `host`."""
+    stream_at = 0
+    starts_at = _aligned(stream_at + 4 * encoded.stream.numel())
+    raw_at = starts_at + 8 * encoded.starts.numel()
+    end = raw_at + encoded.raw.numel()
+    if end > host.numel():
+        return None
+    placed = Encoded(
+        encoded.piece,
+        host[stream_at:starts_at].view(torch.int32)[: encoded.stream.numel()],
+        host[starts_at:raw_at].view(torch.int64),
+        host[raw_at:end],
+    )
+    placed.stream.copy_(encoded.stream, non_blocking=True)
+    placed.starts.copy_(encoded.starts, non_blocking=True)
+    placed.raw.copy_(encoded.raw, non_blocking=True)
+    return placed
+
+
+def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
+    """Queues copies of every device range into its host range, coded where
+    that pays. One code table for the whole allocation (its weights share
+    their shape of distribution); the copies run on the current stream."""
+    histogram = [0] * 256
+    for device, _ in pairs:
+        usable = device[: device.numel() // 2 * 2].view(torch.int16)
+        for value, count in enumerate(exponent_codec.exponent_histogram(usable)):
+            histogram[value] += count
+    table = exponent_codec.build_table(histogram) if any(histogram) else None
+    pieces: list[_Piece] = []
+    for index, (device, host) in enumerate(pairs):
+        at = 0
+        for offset in range(0, device.numel(), PIECE_BYTES):
+            chunk = device[offset : offset + PIECE_BYTES]
+            encoded = None
+            if table is not None and chunk.numel() % 2 == 0:
+                encoded = exponent_codec.encode(chunk, table)
+            room = host[at : at + chunk.numel()]
+            placed = None if encoded is None else _place(room, encoded)
+            if placed is None:
+                room.copy_(chunk, non_blocking=True)
+            pieces.append(
+                _Piece(index, offset, chunk.numel(), placed, room if placed is None else None)
+            )
+            at += chunk.numel()
+    return CodedBackup(table or exponent_codec.build_table([1] + [0] * 255), pieces)
+
+
+def restore(backups: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
+    """Queues the copies of raw pieces and decodes the coded ones, on the
+    current stream (the caller synchronizes)."""
+    jobs: list[tuple[Encoded, torch.Tensor]] = []
+    lookups: dict[Table, torch.Tensor] = {}
+    for backup, pairs in backups:
+        for piece in backup.pieces:
+            device = pairs[piece.pair][0][piece.offset : piece.offset + piece.size]
+            if piece.coded is None:
+                device.copy_(piece.raw, non_blocking=True)
+                continue
+            jobs.append((piece.coded, device))
+            if backup.table not in lookups:
+                lookups[backup.table] = backup.table.decoder_tensor(device.device)
+    exponent_codec.restore(jobs, lookups)
