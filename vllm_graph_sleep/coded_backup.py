@@ -4,18 +4,24 @@ With VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1 a sleep codes each weight allocation's
 backup on the device (`exponent_codec`) and copies the coded pieces into the
 allocation's host buffer, where they take about two thirds of the room the raw
 bytes would; a wake copies them back while the previous piece decodes
-(`exponent_codec.restore`). A piece that does not shrink is kept raw. The host
-buffer keeps its raw size, so a backup always fits whatever the weights hold.
+(`exponent_codec.restore`). A piece that does not shrink is kept raw, and so
+is one that does not decode back to its original: the sleep checks every coded
+piece on the device while the original is still there, so that a coder fault
+costs bytes, not weights. The host buffer keeps its raw size, so a backup
+always fits whatever the weights hold.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from vllm_graph_sleep import exponent_codec
 from vllm_graph_sleep.exponent_codec import Encoded, Table
+
+logger = logging.getLogger("vllm.graph_sleep")
 
 # Bytes a wake decodes per piece; each of the wake's two staging slots holds one
 # coded piece (about 43 MiB for this size).
@@ -67,33 +73,50 @@ def _place(host: torch.Tensor, encoded: Encoded) -> Encoded | None:
     return placed
 
 
+def _checked(chunk: torch.Tensor, encoded: Encoded | None, lookup: torch.Tensor) -> bool:
+    """Whether `encoded` decodes back to `chunk`, checked on the device while
+    the original is still there: a coder fault keeps the piece raw (and is
+    logged) instead of reaching a wake."""
+    if encoded is None:
+        return False
+    decoded = torch.empty_like(chunk)
+    exponent_codec.decode_into(encoded, decoded, lookup)
+    if torch.equal(decoded, chunk):
+        return True
+    logger.error(
+        "graph-sleep: a coded backup piece (%d bytes) did not decode to its original; "
+        "it is kept raw. Please report this with your GPU, driver, torch and Triton versions.",
+        chunk.numel(),
+    )
+    return False
+
+
 def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
     """Queues copies of every device range into its host range, coded where
-    that pays. One code table for the whole allocation (its weights share
-    their shape of distribution); the copies run on the current stream."""
+    that pays and the coded piece decodes back to the original. One code table
+    for the whole allocation (its weights share their shape of distribution);
+    the copies run on the current stream."""
     histogram = [0] * 256
     for device, _ in pairs:
         usable = device[: device.numel() // 2 * 2].view(torch.int16)
         for value, count in enumerate(exponent_codec.exponent_histogram(usable)):
             histogram[value] += count
-    table = exponent_codec.build_table(histogram) if any(histogram) else None
+    if not any(histogram):
+        histogram[0] = 1  # nothing to code: every piece stays raw
+    table = exponent_codec.build_table(histogram)
+    lookup = table.decoder_tensor(pairs[0][0].device)
     pieces: list[_Piece] = []
     for index, (device, host) in enumerate(pairs):
-        at = 0
         for offset in range(0, device.numel(), PIECE_BYTES):
             chunk = device[offset : offset + PIECE_BYTES]
-            encoded = None
-            if table is not None and chunk.numel() % 2 == 0:
-                encoded = exponent_codec.encode(chunk, table)
-            room = host[at : at + chunk.numel()]
-            placed = None if encoded is None else _place(room, encoded)
+            room = host[offset : offset + chunk.numel()]
+            encoded = exponent_codec.encode(chunk, table) if chunk.numel() % 2 == 0 else None
+            placed = _place(room, encoded) if _checked(chunk, encoded, lookup) else None
             if placed is None:
                 room.copy_(chunk, non_blocking=True)
-            pieces.append(
-                _Piece(index, offset, chunk.numel(), placed, room if placed is None else None)
-            )
-            at += chunk.numel()
-    return CodedBackup(table or exponent_codec.build_table([1] + [0] * 255), pieces)
+            raw = room if placed is None else None
+            pieces.append(_Piece(index, offset, chunk.numel(), placed, raw))
+    return CodedBackup(table, pieces)
 
 
 def restore(backups: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:

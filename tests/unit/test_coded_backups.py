@@ -63,6 +63,28 @@ def test_coded_weight_backups_come_back_bit_exact_in_fewer_bytes(caplog):
 
 
 @fresh_process
+def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypatch, caplog):
+    real_encode = exponent_codec.encode
+
+    def encode_with_a_flipped_bit(data, table=None):
+        encoded = real_encode(data, table)
+        encoded.stream[0] ^= 1
+        return encoded
+
+    monkeypatch.setattr(exponent_codec, "encode", encode_with_a_flipped_bit)
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_bytes(SIZE, seed=5))
+    expected = driver.memory[weights].clone()
+    with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights",))
+    assert all(piece.coded is None for piece in manager.allocations[weights].coded.pieces)
+    assert sum("did not decode to its original" in r.getMessage() for r in caplog.records) == 2
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
+
+
+@fresh_process
 def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
