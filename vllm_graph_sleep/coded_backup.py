@@ -55,15 +55,15 @@ def _aligned(at: int) -> int:
 def _place(host: torch.Tensor, encoded: Encoded) -> Encoded | None:
     """Views of `host` for `encoded`'s three buffers, copies queued into them;
     None when they would not fit in `host`."""
-    stream_at = 0
-    starts_at = _aligned(stream_at + 4 * encoded.stream.numel())
+    stream_end = 4 * encoded.stream.numel()
+    starts_at = _aligned(stream_end)
     raw_at = starts_at + 8 * encoded.starts.numel()
     end = raw_at + encoded.raw.numel()
     if end > host.numel():
         return None
     placed = Encoded(
         encoded.piece,
-        host[stream_at:starts_at].view(torch.int32)[: encoded.stream.numel()],
+        host[:stream_end].view(torch.int32),
         host[starts_at:raw_at].view(torch.int64),
         host[raw_at:end],
     )
