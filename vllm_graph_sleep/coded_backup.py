@@ -57,14 +57,14 @@ def _place(host: torch.Tensor, encoded: Encoded) -> Encoded | None:
     None when they would not fit in `host`."""
     stream_end = 4 * encoded.stream.numel()
     starts_at = _aligned(stream_end)
-    raw_at = starts_at + 8 * encoded.starts.numel()
+    raw_at = starts_at + 4 * encoded.starts.numel()
     end = raw_at + encoded.raw.numel()
     if end > host.numel():
         return None
     placed = Encoded(
         encoded.piece,
         host[:stream_end].view(torch.int32),
-        host[starts_at:raw_at].view(torch.int64),
+        host[starts_at:raw_at].view(torch.int32),
         host[raw_at:end],
     )
     placed.stream.copy_(encoded.stream, non_blocking=True)
@@ -122,15 +122,19 @@ def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
 def restore(backups: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
     """Queues the copies of raw pieces and decodes the coded ones, on the
     current stream (the caller synchronizes)."""
+    # The decoder tables first: each is a small copy that waits for the stream,
+    # so before any of the backups' copies is queued on it.
+    lookups = {
+        backup.table: backup.table.decoder_tensor(pairs[0][0].device)
+        for backup, pairs in backups
+        if any(piece.coded is not None for piece in backup.pieces)
+    }
     jobs: list[tuple[Encoded, torch.Tensor]] = []
-    lookups: dict[Table, torch.Tensor] = {}
     for backup, pairs in backups:
         for piece in backup.pieces:
             device = pairs[piece.pair][0][piece.offset : piece.offset + piece.size]
             if piece.coded is None:
                 device.copy_(piece.raw, non_blocking=True)
-                continue
-            jobs.append((piece.coded, device))
-            if backup.table not in lookups:
-                lookups[backup.table] = backup.table.decoder_tensor(device.device)
+            else:
+                jobs.append((piece.coded, device))
     exponent_codec.restore(jobs, lookups)

@@ -21,13 +21,14 @@ bitstream, most significant bit first, padded to a 32-bit word; the streams
 follow one another. So the piece is:
 - `stream`: int32[total_words + 1], the lanes' streams (the extra word keeps
   the decoder's read-ahead inside the buffer);
-- `starts`: int64[lanes], where each lane's stream starts, in words;
+- `starts`: int32[lanes], where each lane's stream starts, in words;
 - `raw`: uint8[n], each word's sign bit and 7 mantissa bits;
 - the code table (`Table`), kept by the caller beside the piece.
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 from dataclasses import dataclass
 
@@ -38,9 +39,10 @@ import triton.language as tl
 # Longest code: the decoder looks codes up in a table of 2**MAX_CODE_BITS entries.
 MAX_CODE_BITS = 12
 # Symbols per lane: fewer lanes means less padding and fewer stream starts
-# (about 2 bytes of padding and 8 of start per lane), more lanes more
-# parallelism; at 1024 they add under 0.5% of the 2 KiB a lane codes.
-SYMBOLS_PER_LANE = 1024
+# (about 2 bytes of padding and 4 of start per lane: 0.6% of the 1 KiB a lane
+# codes at 512), more lanes more parallelism for a decoder whose lanes step
+# through their symbols one after another (64K lanes for a 64 MiB piece).
+SYMBOLS_PER_LANE = 512
 LANES_PER_PROGRAM = 128
 # A piece that does not shrink below this share of its bytes is copied as it is.
 WORTHWHILE = 0.9
@@ -119,23 +121,28 @@ class Piece:
     """What the decoder needs besides the three buffers (see module docstring)."""
 
     symbols: int
+    symbols_per_lane: int
     lanes: int
     total_words: int
     table: Table
 
     @property
     def encoded_bytes(self) -> int:
-        return 4 * (self.total_words + 1) + 8 * self.lanes + self.symbols
+        return 4 * (self.total_words + 1) + 4 * self.lanes + self.symbols
 
 
-def _lanes(symbols: int) -> int:
-    return max(1, -(-symbols // SYMBOLS_PER_LANE))
+def exponent_histogram(words: torch.Tensor, chunk: int = 1 << 25) -> list[int]:
+    """Counts of the 256 exponent values of `words` (int16, any device), `chunk`
+    words at a time: the temporaries stay small beside a large allocation."""
+    counts = torch.zeros(256, dtype=torch.int64, device=words.device)
+    for part in words.split(chunk):
+        counts += torch.bincount(((part >> 7) & 0xFF).to(torch.uint8), minlength=256)
+    return counts.tolist()
 
 
-def exponent_histogram(words: torch.Tensor) -> list[int]:
-    """Counts of the 256 exponent values of `words` (int16, any device)."""
-    exponents = ((words >> 7) & 0xFF).to(torch.uint8)
-    return torch.bincount(exponents, minlength=256).tolist()
+def _on(device: torch.device):
+    """Triton launches on the current device: make it `device`'s."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -196,7 +203,7 @@ def _encode_kernel(
         full = held >= 32
         out = (pending >> tl.maximum(held - 32, 0).to(tl.int64)) & 0xFFFFFFFF
         tl.store(stream + at, out.to(tl.int32), mask=full)
-        at += full.to(tl.int64)
+        at += full.to(tl.int32)
         held = tl.where(full, held - 32, held)
         pending = pending & ((one << held.to(tl.int64)) - 1)
     tail = (pending << (32 - held).to(tl.int64)) & 0xFFFFFFFF
@@ -231,7 +238,7 @@ def _decode_kernel(
         word = word.to(tl.int64) & 0xFFFFFFFF
         buffered = tl.where(refill, (buffered << 32) | word, buffered)
         held = tl.where(refill, held + 32, held)
-        at += refill.to(tl.int64)
+        at += refill.to(tl.int32)
         peek = (buffered >> tl.maximum(held - MAX_CODE_BITS, 0).to(tl.int64)) & (
             (1 << MAX_CODE_BITS) - 1
         )
@@ -255,50 +262,54 @@ class Encoded:
 
 
 def encode(data: torch.Tensor, table: Table | None = None) -> Encoded | None:
-    """Encodes `data` (uint8, an even number of bytes, contiguous) on its
-    device; None when it would not shrink below WORTHWHILE of its size."""
+    """Encodes `data` (uint8, an even number of bytes under 4 GiB, contiguous)
+    on its device; None when it would not shrink below WORTHWHILE of its size."""
     if data.dtype != torch.uint8 or data.numel() % 2 or not data.is_contiguous():
         raise ValueError("encode takes contiguous uint8 data of an even number of bytes")
+    if data.numel() >= 1 << 32:
+        raise ValueError("encode takes under 4 GiB at a time (the kernels index in int32)")
     words16 = data.view(torch.int16)
     symbols = words16.numel()
     if symbols == 0:
         return None
     if table is None:
         table = build_table(exponent_histogram(words16))
-    codes, lengths = table.encoder_tensors(data.device)
-    lanes = _lanes(symbols)
+    per_lane = SYMBOLS_PER_LANE
+    lanes = -(-symbols // per_lane)
     grid = (triton.cdiv(lanes, LANES_PER_PROGRAM),)
-    lane_bits = torch.empty(lanes, dtype=torch.int32, device=data.device)
-    _count_kernel[grid](
-        words16,
-        symbols,
-        lanes,
-        lengths,
-        lane_bits,
-        SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
-        LANES_PER_PROGRAM=LANES_PER_PROGRAM,
-    )
-    lane_words = (lane_bits.to(torch.int64) + 31) // 32
-    ends = torch.cumsum(lane_words, dim=0)
-    total_words = int(ends[-1])
-    piece = Piece(symbols, lanes, total_words, table)
-    if piece.encoded_bytes > WORTHWHILE * data.numel():
-        return None
-    starts = ends - lane_words
-    stream = torch.zeros(total_words + 1, dtype=torch.int32, device=data.device)
-    raw = torch.empty(symbols, dtype=torch.uint8, device=data.device)
-    _encode_kernel[grid](
-        words16,
-        symbols,
-        lanes,
-        codes,
-        lengths,
-        starts,
-        stream,
-        raw,
-        SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
-        LANES_PER_PROGRAM=LANES_PER_PROGRAM,
-    )
+    with _on(data.device):
+        codes, lengths = table.encoder_tensors(data.device)
+        lane_bits = torch.empty(lanes, dtype=torch.int32, device=data.device)
+        _count_kernel[grid](
+            words16,
+            symbols,
+            lanes,
+            lengths,
+            lane_bits,
+            SYMBOLS_PER_LANE=per_lane,
+            LANES_PER_PROGRAM=LANES_PER_PROGRAM,
+        )
+        lane_words = (lane_bits + 31) // 32
+        ends = torch.cumsum(lane_words, dim=0, dtype=torch.int32)
+        total_words = int(ends[-1])
+        piece = Piece(symbols, per_lane, lanes, total_words, table)
+        if piece.encoded_bytes > WORTHWHILE * data.numel():
+            return None
+        starts = ends - lane_words
+        stream = torch.zeros(total_words + 1, dtype=torch.int32, device=data.device)
+        raw = torch.empty(symbols, dtype=torch.uint8, device=data.device)
+        _encode_kernel[grid](
+            words16,
+            symbols,
+            lanes,
+            codes,
+            lengths,
+            starts,
+            stream,
+            raw,
+            SYMBOLS_PER_LANE=per_lane,
+            LANES_PER_PROGRAM=LANES_PER_PROGRAM,
+        )
     return Encoded(piece, stream, starts, raw)
 
 
@@ -311,19 +322,20 @@ def decode_into(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor | None
     if lookup is None:
         lookup = piece.table.decoder_tensor(out.device)
     grid = (triton.cdiv(piece.lanes, LANES_PER_PROGRAM),)
-    _decode_kernel[grid](
-        encoded.stream,
-        piece.total_words,
-        encoded.starts,
-        encoded.raw,
-        lookup,
-        out.view(torch.int16),
-        piece.symbols,
-        piece.lanes,
-        SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
-        LANES_PER_PROGRAM=LANES_PER_PROGRAM,
-        MAX_CODE_BITS=MAX_CODE_BITS,
-    )
+    with _on(out.device):
+        _decode_kernel[grid](
+            encoded.stream,
+            piece.total_words,
+            encoded.starts,
+            encoded.raw,
+            lookup,
+            out.view(torch.int16),
+            piece.symbols,
+            piece.lanes,
+            SYMBOLS_PER_LANE=piece.symbols_per_lane,
+            LANES_PER_PROGRAM=LANES_PER_PROGRAM,
+            MAX_CODE_BITS=MAX_CODE_BITS,
+        )
 
 
 def restore(pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, torch.Tensor]) -> None:
@@ -343,6 +355,13 @@ def restore(pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, tor
         for host, out in pieces:
             decode_into(host, out, lookups[host.piece.table])
         return
+    with _on(pieces[0][1].device):
+        _restore_on_the_current_device(pieces, lookups)
+
+
+def _restore_on_the_current_device(
+    pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, torch.Tensor]
+) -> None:
     compute = torch.cuda.current_stream()
     copier = torch.cuda.Stream()
     sizes = [
@@ -351,11 +370,15 @@ def restore(pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, tor
     slots = [
         (
             torch.empty(sizes[0], dtype=torch.int32, device=compute.device),
-            torch.empty(sizes[1], dtype=torch.int64, device=compute.device),
+            torch.empty(sizes[1], dtype=torch.int32, device=compute.device),
             torch.empty(sizes[2], dtype=torch.uint8, device=compute.device),
         )
         for _ in range(2)
     ]
+    # The copier writes the slots: whenever they are freed, not before it is done.
+    for slot in slots:
+        for buffer in slot:
+            buffer.record_stream(copier)
     copied = [torch.cuda.Event() for _ in slots]
     decoded = [torch.cuda.Event() for _ in slots]
     copier.wait_stream(compute)  # the destinations are mapped and ready
@@ -378,6 +401,3 @@ def restore(pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, tor
         compute.wait_event(copied[slot])
         decode_into(staged, out, lookups[host.piece.table])
         decoded[slot].record(compute)
-    for slot in slots:
-        for buffer in slot:
-            buffer.record_stream(copier)

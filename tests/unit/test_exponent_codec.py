@@ -9,8 +9,13 @@ GPU (benchmarks/exponent_codec.py, test_cumem.py) is what proves those."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 from tests.utils import fresh_process
 from vllm_graph_sleep import exponent_codec
@@ -119,3 +124,47 @@ def test_bad_input_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="even number of bytes"):
         encode(torch.zeros(4, dtype=torch.int16))
     assert encode(torch.zeros(0, dtype=torch.uint8)) is None
+
+
+@pytest.mark.skipif(
+    not isinstance(exponent_codec._decode_kernel, triton.runtime.JITFunction),
+    reason="the kernels were defined under TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize(
+    "target", [GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)], ids=["sm_90", "gfx942"]
+)
+def test_the_kernels_compile_for_an_h200_and_an_mi300(target):
+    # Compiled, not interpreted: a loop-carried value that changes type, or an
+    # operation Triton cannot lower, fails here on a machine without a GPU.
+    lanes = {"SYMBOLS_PER_LANE": 512, "LANES_PER_PROGRAM": 128}
+    count = {"words": "*i16", "symbols": "i32", "lanes": "i32", "lengths": "*i32"}
+    kernels = [
+        (exponent_codec._count_kernel, {**count, "lane_bits": "*i32"}, lanes),
+        (
+            exponent_codec._encode_kernel,
+            {**count, "codes": "*i32", "starts": "*i32", "stream": "*i32", "raw": "*u8"},
+            lanes,
+        ),
+        (
+            exponent_codec._decode_kernel,
+            {
+                "stream": "*i32",
+                "total_words": "i32",
+                "starts": "*i32",
+                "raw": "*u8",
+                "lookup": "*i32",
+                "out": "*i16",
+                "symbols": "i32",
+                "lanes": "i32",
+            },
+            {**lanes, "MAX_CODE_BITS": MAX_CODE_BITS},
+        ),
+    ]
+    for kernel, arguments, constants in kernels:
+        names = list(inspect.signature(kernel.fn).parameters)
+        signature = {name: arguments.get(name, "constexpr") for name in names}
+        assert set(signature) - set(constants) == set(arguments), kernel.fn.__name__
+        constexprs = {(names.index(name),): value for name, value in constants.items()}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+        binary = "cubin" if target.backend == "cuda" else "hsaco"
+        assert binary in triton.compile(source, target=target).asm, kernel.fn.__name__
