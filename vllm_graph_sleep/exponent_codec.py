@@ -146,6 +146,25 @@ def _on(device: torch.device):
 
 
 @triton.jit
+def _program_lanes(lanes, LANES_PER_PROGRAM: tl.constexpr):
+    lane = tl.program_id(0) * LANES_PER_PROGRAM + tl.arange(0, LANES_PER_PROGRAM)
+    return lane, lane < lanes
+
+
+@triton.jit
+def _symbol(i, lane, lane_ok, lanes, symbols):
+    """Where lane `lane`'s i-th symbol is, and whether it has one."""
+    index = i * lanes + lane
+    return index, lane_ok & (index < symbols)
+
+
+@triton.jit
+def _low_bits(value, count):
+    """The low `count` bits of int64 `value`."""
+    return value & ((tl.full(value.shape, 1, tl.int64) << count.to(tl.int64)) - 1)
+
+
+@triton.jit
 def _exponent(words, index, ok):
     word = tl.load(words + index, mask=ok, other=0).to(tl.int32)
     return word, (word >> 7) & 0xFF
@@ -161,12 +180,10 @@ def _count_kernel(
     SYMBOLS_PER_LANE: tl.constexpr,
     LANES_PER_PROGRAM: tl.constexpr,
 ):
-    lane = tl.program_id(0) * LANES_PER_PROGRAM + tl.arange(0, LANES_PER_PROGRAM)
-    lane_ok = lane < lanes
+    lane, lane_ok = _program_lanes(lanes, LANES_PER_PROGRAM)
     bits = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int32)
     for i in range(SYMBOLS_PER_LANE):
-        index = i * lanes + lane
-        ok = lane_ok & (index < symbols)
+        index, ok = _symbol(i, lane, lane_ok, lanes, symbols)
         _, symbol = _exponent(words, index, ok)
         bits += tl.where(ok, tl.load(lengths + symbol), 0)
     tl.store(lane_bits + lane, bits, mask=lane_ok)
@@ -185,15 +202,12 @@ def _encode_kernel(
     SYMBOLS_PER_LANE: tl.constexpr,
     LANES_PER_PROGRAM: tl.constexpr,
 ):
-    lane = tl.program_id(0) * LANES_PER_PROGRAM + tl.arange(0, LANES_PER_PROGRAM)
-    lane_ok = lane < lanes
+    lane, lane_ok = _program_lanes(lanes, LANES_PER_PROGRAM)
     at = tl.load(starts + lane, mask=lane_ok, other=0)
     pending = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int64)  # `held` bits, low end
     held = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int32)
-    one = tl.full([LANES_PER_PROGRAM], 1, tl.int64)
     for i in range(SYMBOLS_PER_LANE):
-        index = i * lanes + lane
-        ok = lane_ok & (index < symbols)
+        index, ok = _symbol(i, lane, lane_ok, lanes, symbols)
         word, symbol = _exponent(words, index, ok)
         tl.store(raw + index, (((word >> 8) & 0x80) | (word & 0x7F)).to(tl.uint8), mask=ok)
         length = tl.where(ok, tl.load(lengths + symbol), 0)
@@ -205,7 +219,7 @@ def _encode_kernel(
         tl.store(stream + at, out.to(tl.int32), mask=full)
         at += full.to(tl.int32)
         held = tl.where(full, held - 32, held)
-        pending = pending & ((one << held.to(tl.int64)) - 1)
+        pending = _low_bits(pending, held)
     tail = (pending << (32 - held).to(tl.int64)) & 0xFFFFFFFF
     tl.store(stream + at, tail.to(tl.int32), mask=lane_ok & (held > 0))
 
@@ -224,15 +238,12 @@ def _decode_kernel(
     LANES_PER_PROGRAM: tl.constexpr,
     MAX_CODE_BITS: tl.constexpr,
 ):
-    lane = tl.program_id(0) * LANES_PER_PROGRAM + tl.arange(0, LANES_PER_PROGRAM)
-    lane_ok = lane < lanes
+    lane, lane_ok = _program_lanes(lanes, LANES_PER_PROGRAM)
     at = tl.load(starts + lane, mask=lane_ok, other=0)
     buffered = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int64)  # `held` bits, low end
     held = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int32)
-    one = tl.full([LANES_PER_PROGRAM], 1, tl.int64)
     for i in range(SYMBOLS_PER_LANE):
-        index = i * lanes + lane
-        ok = lane_ok & (index < symbols)
+        index, ok = _symbol(i, lane, lane_ok, lanes, symbols)
         refill = ok & (held < MAX_CODE_BITS)
         word = tl.load(stream + at, mask=refill & (at <= total_words), other=0)
         word = word.to(tl.int64) & 0xFFFFFFFF
@@ -245,7 +256,7 @@ def _decode_kernel(
         entry = tl.load(lookup + peek, mask=ok, other=0)
         length = tl.where(ok, entry >> 8, 0)
         held -= length
-        buffered = buffered & ((one << held.to(tl.int64)) - 1)
+        buffered = _low_bits(buffered, held)
         sign_mantissa = tl.load(raw + index, mask=ok, other=0).to(tl.int32)
         value = ((sign_mantissa & 0x80) << 8) | ((entry & 0xFF) << 7) | (sign_mantissa & 0x7F)
         tl.store(out + index, value.to(tl.int16), mask=ok)
