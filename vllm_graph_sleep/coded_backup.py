@@ -26,7 +26,6 @@ logger = logging.getLogger("vllm.graph_sleep")
 # Bytes a wake decodes per piece; each of the wake's two staging slots holds one
 # coded piece (about 43 MiB for this size).
 PIECE_BYTES = 64 << 20
-_ALIGN = 8
 
 
 @dataclasses.dataclass
@@ -48,22 +47,19 @@ class CodedBackup:
         return sum(p.size if p.coded is None else p.coded.piece.encoded_bytes for p in self.pieces)
 
 
-def _aligned(at: int) -> int:
-    return -(-at // _ALIGN) * _ALIGN
-
-
 def _place(host: torch.Tensor, encoded: Encoded) -> Encoded | None:
     """Views of `host` for `encoded`'s three buffers, copies queued into them;
-    None when they would not fit in `host`."""
-    stream_end = 4 * encoded.stream.numel()
-    starts_at = _aligned(stream_end)
+    None when they would not fit in `host`. Two int32 buffers, then bytes: the
+    views stay aligned wherever `host` starts on a 4-byte boundary (a piece of a
+    host buffer starts at a multiple of PIECE_BYTES, a pair at one of 512)."""
+    starts_at = 4 * encoded.stream.numel()
     raw_at = starts_at + 4 * encoded.starts.numel()
     end = raw_at + encoded.raw.numel()
     if end > host.numel():
         return None
     placed = Encoded(
         encoded.piece,
-        host[:stream_end].view(torch.int32),
+        host[:starts_at].view(torch.int32),
         host[starts_at:raw_at].view(torch.int32),
         host[raw_at:end],
     )
