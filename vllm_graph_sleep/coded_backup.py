@@ -118,13 +118,20 @@ def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
 def restore(backups: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
     """Queues the copies of raw pieces and decodes the coded ones, on the
     current stream (the caller synchronizes)."""
-    # The decoder tables first: each is a small copy that waits for the stream,
-    # so before any of the backups' copies is queued on it.
-    lookups = {
-        backup.table: backup.table.decoder_tensor(pairs[0][0].device)
-        for backup, pairs in backups
-        if any(piece.coded is not None for piece in backup.pieces)
-    }
+    # The decoder tables first, in one copy (it waits for the stream), before
+    # any of the backups' copies is queued there: one table per allocation.
+    tables = list(
+        dict.fromkeys(
+            backup.table
+            for backup, _ in backups
+            if any(piece.coded is not None for piece in backup.pieces)
+        )
+    )
+    lookups: dict[Table, torch.Tensor] = {}
+    if tables:
+        device = backups[0][1][0][0].device
+        stacked = torch.stack([table.decoder_tensor(torch.device("cpu")) for table in tables])
+        lookups = dict(zip(tables, stacked.to(device), strict=True))
     jobs: list[tuple[Encoded, torch.Tensor]] = []
     for backup, pairs in backups:
         for piece in backup.pieces:
