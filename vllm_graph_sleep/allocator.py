@@ -271,6 +271,15 @@ class GraphSleepAllocator:
         self._settler = Settler(driver.probe_mapping) if settle_after_sleep else None
         if compress_backups is None:
             compress_backups = bool(env_switch(COMPRESS_BACKUPS_ENV))
+        if compress_backups:
+            # Here, at start, rather than at the first sleep.
+            try:
+                import triton  # noqa: F401
+            except ImportError as error:
+                raise RuntimeError(
+                    f"{COMPRESS_BACKUPS_ENV}=1 codes backups with Triton kernels, and Triton "
+                    f"cannot be imported: {error}. Install Triton or unset {COMPRESS_BACKUPS_ENV}."
+                ) from error
         self.compress_backups = compress_backups
         self.poison_graph_scratch = bool(env_switch(POISON_GRAPH_SCRATCH_ENV))
         self.poison_remapped = bool(env_switch(POISON_REMAPPED_ENV))

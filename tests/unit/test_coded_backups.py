@@ -7,6 +7,7 @@ is kept raw. Each test runs in a fresh process with Triton's CPU interpreter
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -105,3 +106,10 @@ def test_backups_are_not_coded_unless_switched_on(monkeypatch):
     assert manager.allocations[weights].coded is None
     manager.wake_up()
     assert int(driver.memory[weights].sum()) == 7 * SIZE
+
+
+def test_switching_coding_on_without_triton_fails_at_start_with_the_reason(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", "1")
+    with pytest.raises(RuntimeError, match="VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1 codes backups"):
+        make()
