@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.unit.test_allocator_bookkeeping import allocate, make
+from tests.unit.test_exponent_codec import bf16_weights
 from tests.utils import fresh_process
 from vllm_graph_sleep import coded_backup, exponent_codec
 
@@ -28,22 +29,17 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(coded_backup, "PIECE_BYTES", MIB)
 
 
-def bf16_bytes(size: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(size // 2, generator=generator) * 0.02).to(torch.bfloat16).view(torch.uint8)
-
-
 @fresh_process
 def test_coded_weight_backups_come_back_bit_exact_in_fewer_bytes(caplog):
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
     noise = allocate(driver, manager, "weights", SIZE)
     runtime = allocate(driver, manager, "runtime", SIZE)
-    driver.memory[weights].copy_(bf16_bytes(SIZE, seed=1))
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=1))
     generator = torch.Generator().manual_seed(2)
     noise_bytes = torch.randint(0, 256, (SIZE,), dtype=torch.uint8, generator=generator)
     driver.memory[noise].copy_(noise_bytes)
-    driver.memory[runtime].copy_(bf16_bytes(SIZE, seed=3))
+    driver.memory[runtime].copy_(bf16_weights(SIZE // 2, seed=3))
     expected = {address: driver.memory[address].clone() for address in (weights, noise, runtime)}
 
     for cycle in range(2):
@@ -75,7 +71,7 @@ def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypa
     monkeypatch.setattr(exponent_codec, "encode", encode_with_a_flipped_bit)
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_bytes(SIZE, seed=5))
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=5))
     expected = driver.memory[weights].clone()
     with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("weights",))
@@ -89,7 +85,7 @@ def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypa
 def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_bytes(SIZE, seed=4))
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=4))
     manager.sleep(offload_tags=("weights",))
     manager.wake_up()
     assert manager.allocations[weights].coded is not None  # kept with its buffer for reuse
