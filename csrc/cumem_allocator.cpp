@@ -286,8 +286,8 @@ bool allocate(ssize_t size, int device, uint64_t* address) {
 // Maps one granule of fresh memory at a range of its own and gives it all
 // back. After a large release the CUDA driver defers work that the next
 // mapping call on the device pays, and the longer it waits the more it pays:
-// 3 ms after 20 ms, 14 ms after 100 ms for 40 GiB, 26 ms for 80 GiB on an H200
-// (docs/results/bench-h200-run11.md). A sleeping allocator calls this from a
+// for 40 GiB on an H200, 3-4 ms after 20 ms and 11-25 ms from 100 ms on; 26 ms
+// for 80 GiB (docs/results/bench-h200-run11.md, as settle.py says). A sleeping allocator calls this from a
 // background thread so that the wake does not pay it. All or nothing.
 bool probe_mapping(int device) {
   size_t granularity = 0;

@@ -101,12 +101,15 @@ def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
         histogram[0] = 1  # nothing to code: every piece stays raw
     table = exponent_codec.build_table(histogram)
     lookup = table.decoder_tensor(pairs[0][0].device)
+    encoder = table.encoder_tensors(pairs[0][0].device)
     pieces: list[_Piece] = []
     for index, (device, host) in enumerate(pairs):
         for offset in range(0, device.numel(), PIECE_BYTES):
             chunk = device[offset : offset + PIECE_BYTES]
             room = host[offset : offset + chunk.numel()]
-            encoded = exponent_codec.encode(chunk, table) if chunk.numel() % 2 == 0 else None
+            encoded = None
+            if chunk.numel() % 2 == 0:
+                encoded = exponent_codec.encode(chunk, table, encoder)
             placed = _place(room, encoded) if _checked(chunk, encoded, lookup) else None
             if placed is None:
                 room.copy_(chunk, non_blocking=True)

@@ -272,9 +272,15 @@ class Encoded:
         self.raw = raw
 
 
-def encode(data: torch.Tensor, table: Table | None = None) -> Encoded | None:
+def encode(
+    data: torch.Tensor,
+    table: Table | None = None,
+    encoder: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Encoded | None:
     """Encodes `data` (uint8, an even number of bytes under 4 GiB, contiguous)
-    on its device; None when it would not shrink below WORTHWHILE of its size."""
+    on its device; None when it would not shrink below WORTHWHILE of its size.
+    `encoder`: `table.encoder_tensors(data.device)`, made once by a caller that
+    codes many pieces with one table (each making is a copy that waits)."""
     if data.dtype != torch.uint8 or data.numel() % 2 or not data.is_contiguous():
         raise ValueError("encode takes contiguous uint8 data of an even number of bytes")
     if data.numel() >= 1 << 32:
@@ -289,7 +295,7 @@ def encode(data: torch.Tensor, table: Table | None = None) -> Encoded | None:
     lanes = -(-symbols // per_lane)
     grid = (triton.cdiv(lanes, LANES_PER_PROGRAM),)
     with _on(data.device):
-        codes, lengths = table.encoder_tensors(data.device)
+        codes, lengths = encoder or table.encoder_tensors(data.device)
         lane_bits = torch.empty(lanes, dtype=torch.int32, device=data.device)
         _count_kernel[grid](
             words16,

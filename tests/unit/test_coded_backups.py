@@ -63,8 +63,8 @@ def test_coded_weight_backups_come_back_bit_exact_in_fewer_bytes(caplog):
 def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypatch, caplog):
     real_encode = exponent_codec.encode
 
-    def encode_with_a_flipped_bit(data, table=None):
-        encoded = real_encode(data, table)
+    def encode_with_a_flipped_bit(data, table=None, encoder=None):
+        encoded = real_encode(data, table, encoder)
         encoded.stream[0] ^= 1
         return encoded
 
