@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -884,7 +884,7 @@ class GraphSleepAllocator:
                 continue
             allocation.mapped = True
             restored.append(allocation)
-        self._fill(restored)
+        self._fill(restored, restored)
         for allocation in backed_up:
             if allocation.mapped:
                 allocation.has_backup = False
@@ -910,8 +910,9 @@ class GraphSleepAllocator:
             )
 
         targets = [a for a in self.allocations.values() if not a.mapped and wanted(a)]
-        # Graph pool and other internal tags first: they are what replays need.
-        targets.sort(key=lambda a: (a.tag in DEFERRABLE_TAGS, a.tag != GRAPH_TAG))
+        # Those with a backup first, so that their copies start while the rest
+        # map; then graph pool and other internal tags: what replays need.
+        targets.sort(key=lambda a: (not a.has_backup, a.tag in DEFERRABLE_TAGS, a.tag != GRAPH_TAG))
         lowered = set(self._saved_stack)
         try:
             # Before anything else: no graph may replay with the stack lowered.
@@ -934,13 +935,17 @@ class GraphSleepAllocator:
         clock.lap("torch's cache")
 
         mapped: list[Allocation] = []
-        try:
+
+        def mapping() -> Iterator[Allocation]:
+            # One at a time, each handed to _fill as soon as it is mapped: the
+            # copies of one run while the next one maps.
             for allocation in targets:
                 self._driver.create_and_map(*self._handle(allocation))
                 mapped.append(allocation)
-            clock.lap(f"mapping ({len(mapped)} allocations)")
-            restored, fresh = self._fill(mapped)
-            clock.lap("copies")
+                yield allocation
+
+        try:
+            restored, fresh = self._fill(mapping(), targets, clock)
         except Exception as error:
             self._roll_back(mapped)
             self._lower_stack(lowered)  # asleep again
@@ -976,13 +981,27 @@ class GraphSleepAllocator:
             clock.summary(),
         )
 
-    def _fill(self, mapped: list[Allocation]) -> tuple[dict[str, int], dict[str, int]]:
-        """Copies backups into freshly mapped memory and zeroes the rest when
-        asked; returns bytes per tag restored and remapped without backup."""
+    def _fill(
+        self,
+        allocations: Iterable[Allocation],
+        planned: list[Allocation],
+        clock: _PhaseClock | None = None,
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        """Queues, for each allocation as `allocations` yields it mapped, the
+        copies of its backup (zeroing or poisoning the rest when asked), then
+        waits for them all; `planned`: every allocation it will yield. Returns
+        bytes per tag restored and remapped without backup."""
         restored: dict[str, int] = {}
         fresh: dict[str, int] = {}
-        coded = []
-        for allocation in mapped:
+        coded = [a.coded for a in planned if a.has_backup and a.coded is not None]
+        restore = None
+        if coded:
+            from vllm_graph_sleep import coded_backup
+
+            restore = coded_backup.Restore(coded)
+        count = 0
+        for allocation in allocations:
+            count += 1
             if allocation.has_backup:
                 partial = allocation.backup_bytes() < allocation.size
                 if partial and self.poison_graph_scratch:
@@ -990,7 +1009,7 @@ class GraphSleepAllocator:
                 elif partial and self.zero_on_wake:
                     self._device_bytes(allocation).zero_()
                 if allocation.coded is not None:
-                    coded.append((allocation.coded, self._backup_pairs(allocation)))
+                    restore.add(allocation.coded, self._backup_pairs(allocation))
                 else:
                     for device_range, host_range in self._backup_pairs(allocation):
                         device_range.copy_(host_range, non_blocking=True)
@@ -1003,12 +1022,12 @@ class GraphSleepAllocator:
                 elif self.zero_on_wake:
                     self._device_bytes(allocation).zero_()
                 _add(fresh, allocation.tag, allocation.size)
-        if coded:
-            from vllm_graph_sleep import coded_backup
-
-            coded_backup.restore(coded)
-        for device in {allocation.device for allocation in mapped}:
+        if clock is not None:
+            clock.lap(f"mapping ({count} allocations) with copies queued")
+        for device in {allocation.device for allocation in planned}:
             self._driver.synchronize(device)
+        if clock is not None:
+            clock.lap("copies")
         if coded:
             # The decoder's staging slots, cached by torch outside our pools.
             self._driver.release_cached_memory(collect_garbage=False)

@@ -40,6 +40,7 @@ class _Piece:
 @dataclasses.dataclass
 class CodedBackup:
     table: Table
+    lookup: torch.Tensor  # the table's decoder, in host memory: made once, at the sleep
     pieces: list[_Piece]
 
     @property
@@ -100,7 +101,8 @@ def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
     if not any(histogram):
         histogram[0] = 1  # nothing to code: every piece stays raw
     table = exponent_codec.build_table(histogram)
-    lookup = table.decoder_tensor(pairs[0][0].device)
+    host_lookup = table.decoder_tensor(torch.device("cpu"))
+    lookup = host_lookup.to(pairs[0][0].device)
     encoder = table.encoder_tensors(pairs[0][0].device)
     pieces: list[_Piece] = []
     for index, (device, host) in enumerate(pairs):
@@ -115,32 +117,40 @@ def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
                 room.copy_(chunk, non_blocking=True)
             raw = room if placed is None else None
             pieces.append(_Piece(index, offset, chunk.numel(), placed, raw))
-    return CodedBackup(table, pieces)
+    return CodedBackup(table, host_lookup, pieces)
 
 
-def restore(backups: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]]]]) -> None:
-    """Queues the copies of raw pieces and decodes the coded ones, on the
-    current stream (the caller synchronizes)."""
-    # The decoder tables first, in one copy (it waits for the stream), before
-    # any of the backups' copies is queued there: one table per allocation.
-    tables = list(
-        dict.fromkeys(
-            backup.table
-            for backup, _ in backups
-            if any(piece.coded is not None for piece in backup.pieces)
-        )
-    )
-    lookups: dict[Table, torch.Tensor] = {}
-    if tables:
-        device = backups[0][1][0][0].device
-        stacked = torch.stack([table.decoder_tensor(torch.device("cpu")) for table in tables])
-        lookups = dict(zip(tables, stacked.to(device), strict=True))
-    jobs: list[tuple[Encoded, torch.Tensor]] = []
-    for backup, pairs in backups:
+class Restore:
+    """One wake's restore of coded backups: `add` queues a backup's raw copies
+    and coded decodes, on the current stream, as soon as its memory is mapped
+    (the caller synchronizes). `backups`: every backup the wake will add."""
+
+    def __init__(self, backups: list[CodedBackup]) -> None:
+        self._backups = backups
+        self._restorer: exponent_codec.Restorer | None = None
+
+    def add(self, backup: CodedBackup, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for piece in backup.pieces:
             device = pairs[piece.pair][0][piece.offset : piece.offset + piece.size]
             if piece.coded is None:
                 device.copy_(piece.raw, non_blocking=True)
             else:
-                jobs.append((piece.coded, device))
-    exponent_codec.restore(jobs, lookups)
+                if self._restorer is None:
+                    self._restorer = self._start(device.device)
+                self._restorer.add(piece.coded, device)
+
+    def _start(self, device: torch.device) -> exponent_codec.Restorer:
+        # The decoder tables in one copy, before the first coded piece: one
+        # table per allocation, made at the sleep.
+        coded = [
+            backup
+            for backup in self._backups
+            if any(piece.coded is not None for piece in backup.pieces)
+        ]
+        tables = {backup.table: backup.lookup for backup in coded}
+        stacked = torch.stack(list(tables.values())).to(device)
+        lookups = dict(zip(tables, stacked, strict=True))
+        pieces = [
+            piece.coded for backup in coded for piece in backup.pieces if piece.coded is not None
+        ]
+        return exponent_codec.Restorer(pieces, lookups, device)

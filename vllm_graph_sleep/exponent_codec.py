@@ -357,64 +357,85 @@ def decode_into(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor | None
 
 def restore(pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, torch.Tensor]) -> None:
     """Decodes host-resident pieces into their device destinations, copying
-    the next piece over the link while the current one decodes.
-
-    `pieces`: (encoded piece in page-locked host memory, its uint8 destination
-    on the current device); `lookups`: each piece's decoder table, already on
-    the device (made before, so that no copy of ours stalls the pipeline). Two
-    staging slots on the device, each the size of the largest piece; the
-    copies run on a stream of their own, the decodes on the current stream,
-    which the caller synchronizes (the slots are freed after that)."""
+    the next piece over the link while the current one decodes (a `Restorer`
+    given them all at once)."""
     if not pieces:
         return
-    if not pieces[0][1].is_cuda:
-        # The unit tests' fake devices are CPU memory: nothing to overlap.
-        for host, out in pieces:
-            decode_into(host, out, lookups[host.piece.table])
-        return
-    with _on(pieces[0][1].device):
-        _restore_on_the_current_device(pieces, lookups)
+    restorer = Restorer([host for host, _ in pieces], lookups, pieces[0][1].device)
+    for host, out in pieces:
+        restorer.add(host, out)
 
 
-def _restore_on_the_current_device(
-    pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, torch.Tensor]
-) -> None:
-    compute = torch.cuda.current_stream()
-    copier = torch.cuda.Stream()
-    sizes = [
-        max(getattr(e, name).numel() for e, _ in pieces) for name in ("stream", "starts", "raw")
-    ]
-    slots = [
-        (
-            torch.empty(sizes[0], dtype=torch.int32, device=compute.device),
-            torch.empty(sizes[1], dtype=torch.int32, device=compute.device),
-            torch.empty(sizes[2], dtype=torch.uint8, device=compute.device),
-        )
-        for _ in range(2)
-    ]
-    # The copier writes the slots: whenever they are freed, not before it is done.
-    for slot in slots:
-        for buffer in slot:
-            buffer.record_stream(copier)
-    copied = [torch.cuda.Event() for _ in slots]
-    decoded = [torch.cuda.Event() for _ in slots]
-    copier.wait_stream(compute)  # the destinations are mapped and ready
-    for index, (host, out) in enumerate(pieces):
-        slot = index % 2
-        stream, starts, raw = slots[slot]
-        with torch.cuda.stream(copier):
-            if index >= 2:
-                copier.wait_event(decoded[slot])
-            staged = Encoded(
-                host.piece,
-                stream[: host.stream.numel()],
-                starts[: host.starts.numel()],
-                raw[: host.raw.numel()],
-            )
-            staged.stream.copy_(host.stream, non_blocking=True)
-            staged.starts.copy_(host.starts, non_blocking=True)
-            staged.raw.copy_(host.raw, non_blocking=True)
-            copied[slot].record(copier)
-        compute.wait_event(copied[slot])
-        decode_into(staged, out, lookups[host.piece.table])
-        decoded[slot].record(compute)
+class Restorer:
+    """Decodes host-resident pieces into their device destinations as they are
+    added, copying the next piece over the link while the current one decodes:
+    a caller that maps each destination just before adding it maps the next
+    while this one's copy runs.
+
+    `pieces`: every piece that will be added (in page-locked host memory; they
+    size the staging slots); `lookups`: each piece's decoder table, already on
+    `device` (made before, so that no copy of ours stalls the pipeline). Two
+    staging slots on the device, each the size of the largest piece; the
+    copies run on a stream of their own, the decodes on the stream current at
+    construction, which the caller synchronizes (the slots are freed after
+    that)."""
+
+    def __init__(
+        self, pieces: list[Encoded], lookups: dict[Table, torch.Tensor], device: torch.device
+    ) -> None:
+        self._lookups = lookups
+        self._device = device
+        self._added = 0
+        if device.type != "cuda":
+            return  # the unit tests' fake devices are CPU memory: nothing to overlap
+        with _on(device):
+            self._compute = torch.cuda.current_stream()
+            self._copier = torch.cuda.Stream()
+            sizes = [
+                max(getattr(e, name).numel() for e in pieces)
+                for name in ("stream", "starts", "raw")
+            ]
+            self._slots = [
+                (
+                    torch.empty(sizes[0], dtype=torch.int32, device=device),
+                    torch.empty(sizes[1], dtype=torch.int32, device=device),
+                    torch.empty(sizes[2], dtype=torch.uint8, device=device),
+                )
+                for _ in range(2)
+            ]
+            # The copier writes the slots: whenever they are freed, not before it is done.
+            for slot in self._slots:
+                for buffer in slot:
+                    buffer.record_stream(self._copier)
+            self._copied = [torch.cuda.Event() for _ in self._slots]
+            self._decoded = [torch.cuda.Event() for _ in self._slots]
+            self._copier.wait_stream(self._compute)  # nothing queued before may still use them
+
+    def add(self, host: Encoded, out: torch.Tensor) -> None:
+        """Queues `host`'s copy and its decode into `out`, whose memory is
+        mapped and whose earlier writes are queued on the decoding stream."""
+        lookup = self._lookups[host.piece.table]
+        if self._device.type != "cuda":
+            decode_into(host, out, lookup)
+            return
+        slot = self._added % 2
+        stream, starts, raw = self._slots[slot]
+        with _on(self._device):
+            with torch.cuda.stream(self._copier):
+                if self._added >= 2:
+                    self._copier.wait_event(self._decoded[slot])
+                staged = Encoded(
+                    host.piece,
+                    stream[: host.stream.numel()],
+                    starts[: host.starts.numel()],
+                    raw[: host.raw.numel()],
+                )
+                staged.stream.copy_(host.stream, non_blocking=True)
+                staged.starts.copy_(host.starts, non_blocking=True)
+                staged.raw.copy_(host.raw, non_blocking=True)
+                self._copied[slot].record(self._copier)
+            self._compute.wait_event(self._copied[slot])
+            with torch.cuda.stream(self._compute):
+                decode_into(staged, out, lookup)
+            self._decoded[slot].record(self._compute)
+        self._added += 1

@@ -188,6 +188,58 @@ def test_a_wake_that_fails_after_queuing_copies_waits_for_them_before_unmapping(
     assert bool((driver.read(weights) == 1).all())
 
 
+def test_a_wake_queues_each_backups_copies_before_mapping_the_next(monkeypatch):
+    # The copies of one allocation run while the next one maps: a wake of a
+    # large model does not pay for all of its mappings before the first copy.
+    driver, manager = make()
+    kv = allocate(driver, manager, "kv_cache", 8 * MIB, value=2)
+    first = allocate(driver, manager, "weights", 4 * MIB, value=1)
+    second = allocate(driver, manager, "weights", 4 * MIB, value=5)
+    graph = allocate(driver, manager, "cudagraph", 2 * MIB, value=3)
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+    values = {graph: 3, first: 1, second: 5}
+    seen = []
+    map_one = driver.create_and_map
+
+    def mapping(device, size, address, handle):
+        restored = [
+            a for a, v in values.items() if a in driver.memory and (driver.read(a) == v).all()
+        ]
+        seen.append((address, restored))
+        map_one(device, size, address, handle)
+
+    monkeypatch.setattr(driver, "create_and_map", mapping)
+    manager.wake_up()
+    # Those with a backup first (the graph pool before the weights), each
+    # restored by the time the next maps; the kv cache, without one, last.
+    assert seen == [
+        (graph, []),
+        (first, [graph]),
+        (second, [graph, first]),
+        (kv, [graph, first, second]),
+    ]
+
+
+def test_a_wake_that_fails_mapping_after_copies_were_queued_waits_before_unmapping(monkeypatch):
+    driver, manager = make(capacity=32 * MIB)
+    weights = allocate(driver, manager, "weights", 8 * MIB, value=1)
+    allocate(driver, manager, "kv_cache", 16 * MIB, value=2)
+    manager.sleep(offload_tags=("weights",))
+    order = []
+    for call in ("create_and_map", "synchronize", "unmap_and_release"):
+        monkeypatch.setattr(driver, call, _recorded(order, call, getattr(driver, call)))
+    driver.occupied_elsewhere = 16 * MIB
+    with pytest.raises(WakeUpError, match="cuMemCreate failed: out of memory"):
+        manager.wake_up()
+    # The weights' copy was queued when the kv cache failed to map.
+    assert order == ["create_and_map", "create_and_map", "synchronize", "unmap_and_release"]
+    assert driver.mapped_bytes() == 0
+    assert manager.usage_by_tag()["weights"]["backed_up"] == 8 * MIB
+    driver.occupied_elsewhere = 0
+    manager.wake_up()
+    assert bool((driver.read(weights) == 1).all())
+
+
 def test_a_sleep_that_fails_after_queuing_copies_waits_for_them(setup, monkeypatch):
     from vllm_graph_sleep.allocator import SleepError
 
@@ -340,7 +392,8 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     ), lines[0]
     assert re.search(
         rf"\d\.\d{{3}} s \(stack limit {ms}, torch's cache {ms}, "
-        rf"mapping \(2 allocations\) {ms}, copies {ms}, host buffers given back {ms}\)$",
+        rf"mapping \(2 allocations\) with copies queued {ms}, copies {ms}, host buffers given back "
+        rf"{ms}\)$",
         lines[1],
     ), lines[1]
 
