@@ -583,6 +583,25 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     assert (out / "table.txt").read_text() in captured.out
 
 
+def test_the_switches_the_servers_inherit_are_recorded_and_printed(fake_bench, capsys, monkeypatch):
+    # A run with coded weight backups measures something else than one without:
+    # its results and its table say so.
+    argv, out = fake_bench
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", "1")
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_HOST_BUFFERS", "torch")
+    monkeypatch.delenv("VLLM_GRAPH_SLEEP_ZERO_ON_WAKE", raising=False)
+    assert cli.main([*argv, "--configs", "ours"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["switches"] == {
+        "VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "1",
+        "VLLM_GRAPH_SLEEP_HOST_BUFFERS": "torch",
+    }
+    assert (
+        "switches: VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1, VLLM_GRAPH_SLEEP_HOST_BUFFERS=torch"
+        in capsys.readouterr().out
+    )
+
+
 @pytest.mark.parametrize(
     ("status", "body", "answer"),
     [

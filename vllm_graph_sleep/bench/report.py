@@ -350,6 +350,9 @@ def format_table(results: dict[str, Any]) -> str:
     line = floor_line(results)
     if line:
         out.append(line)
+    switches = results.get("switches") or {}
+    if switches:
+        out.append("switches: " + ", ".join(f"{k}={v}" for k, v in sorted(switches.items())))
     ledger_lines = ledger_table.rows(summaries)
     if ledger_lines:
         out += ["", *_aligned(header, ledger_lines), ledger_table.note(ledger_lines)]

@@ -114,6 +114,17 @@ def host_info(memory: MemorySource) -> dict[str, Any]:
     return info
 
 
+def switches_set(environ: dict[str, str]) -> dict[str, str]:
+    """This plugin's environment switches that the servers inherit (they change
+    what "ours" measures, e.g. coded weight backups): recorded with the results."""
+    # Imported here: the allocator brings torch, which the bench's own process
+    # otherwise loads only for the floor.
+    from vllm_graph_sleep.allocator import HOST_BUFFERS_ENV, SWITCH_ENVS
+
+    names = (*SWITCH_ENVS, HOST_BUFFERS_ENV)
+    return {name: environ[name] for name in names if name in environ}
+
+
 class Progress:
     """Timestamped progress lines on stderr."""
 
@@ -150,6 +161,7 @@ def run(
         "model": model,
         "settings": settings.as_dict(),
         "host": host_info(memory),
+        "switches": switches_set(server_env(env)),
         "configs": [],
     }
     if settings.floor:
