@@ -26,6 +26,7 @@ logger = logging.getLogger("vllm.graph_sleep")
 # Bytes a wake decodes per piece; each of the wake's two staging slots holds one
 # coded piece (about 43 MiB for this size).
 PIECE_BYTES = 64 << 20
+_warned_short_of_memory = False
 
 
 @dataclasses.dataclass
@@ -92,13 +93,20 @@ def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
     """Queues copies of every device range into its host range, coded where
     that pays and the coded piece decodes back to the original. One code table
     for the whole allocation (its weights share their shape of distribution);
-    the copies run on the current stream."""
+    the copies run on the current stream. Coding needs device memory for its
+    scratch (a few hundred MiB): without it, the rest is backed up raw, so that
+    a sleep on a full GPU still frees it."""
     histogram = [0] * 256
-    for device, _ in pairs:
-        usable = device[: device.numel() // 2 * 2].view(torch.int16)
-        for value, count in enumerate(exponent_codec.exponent_histogram(usable)):
-            histogram[value] += count
-    if not any(histogram):
+    try:
+        for device, _ in pairs:
+            usable = device[: device.numel() // 2 * 2].view(torch.int16)
+            for value, count in enumerate(exponent_codec.exponent_histogram(usable)):
+                histogram[value] += count
+    except torch.OutOfMemoryError as error:
+        _short_of_memory(error)
+        histogram = [0] * 256
+    coding = any(histogram)
+    if not coding:
         histogram[0] = 1  # nothing to code: every piece stays raw
     table = exponent_codec.build_table(histogram)
     host_lookup = table.decoder_tensor(torch.device("cpu"))
@@ -109,15 +117,30 @@ def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
         for offset in range(0, device.numel(), PIECE_BYTES):
             chunk = device[offset : offset + PIECE_BYTES]
             room = host[offset : offset + chunk.numel()]
-            encoded = None
-            if chunk.numel() % 2 == 0:
-                encoded = exponent_codec.encode(chunk, table, encoder)
-            placed = _place(room, encoded) if _checked(chunk, encoded, lookup) else None
+            placed = None
+            if coding and chunk.numel() % 2 == 0:
+                try:
+                    encoded = exponent_codec.encode(chunk, table, encoder)
+                    placed = _place(room, encoded) if _checked(chunk, encoded, lookup) else None
+                except torch.OutOfMemoryError as error:
+                    _short_of_memory(error)
+                    coding = False
             if placed is None:
                 room.copy_(chunk, non_blocking=True)
             raw = room if placed is None else None
             pieces.append(_Piece(index, offset, chunk.numel(), placed, raw))
     return CodedBackup(table, host_lookup, pieces)
+
+
+def _short_of_memory(error: torch.OutOfMemoryError) -> None:
+    global _warned_short_of_memory
+    if not _warned_short_of_memory:
+        _warned_short_of_memory = True
+        logger.warning(
+            "graph-sleep: no device memory left to code a weight backup (%s); what is left of "
+            "it, and of any other the GPU has no room for, is backed up raw (said once)",
+            str(error).splitlines()[0],
+        )
 
 
 class Restore:

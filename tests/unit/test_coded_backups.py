@@ -82,6 +82,55 @@ def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypa
 
 
 @fresh_process
+def test_a_sleep_without_device_memory_for_the_coder_backs_the_rest_up_raw(monkeypatch, caplog):
+    # The sleep is what frees the GPU: coding must not make it fail on a full one.
+    real_encode = exponent_codec.encode
+    calls = []
+
+    def encode_until_the_device_is_full(data, table=None, encoder=None):
+        calls.append(data.numel())
+        if len(calls) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 44.00 MiB")
+        return real_encode(data, table, encoder)
+
+    monkeypatch.setattr(exponent_codec, "encode", encode_until_the_device_is_full)
+    driver, manager = make(compress_backups=True)
+    first = allocate(driver, manager, "weights", SIZE)
+    second = allocate(driver, manager, "weights", SIZE)
+    for seed, address in enumerate((first, second)):
+        driver.memory[address].copy_(bf16_weights(SIZE // 2, seed=seed))
+    expected = {address: driver.memory[address].clone() for address in (first, second)}
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights",))
+    # The first piece coded; the second refused, the rest of its allocation raw
+    # without asking; the next allocation tries again and is refused too.
+    assert [p.coded is not None for p in manager.allocations[first].coded.pieces] == [True, False]
+    assert [p.coded is not None for p in manager.allocations[second].coded.pieces] == [False] * 2
+    assert len(calls) == 3
+    warnings = [r.getMessage() for r in caplog.records if "no device memory" in r.getMessage()]
+    assert len(warnings) == 1 and "Tried to allocate 44.00 MiB" in warnings[0]
+    manager.wake_up()
+    for address, contents in expected.items():
+        assert torch.equal(driver.memory[address], contents)
+
+
+@fresh_process
+def test_a_sleep_without_device_memory_for_the_histogram_backs_up_raw(monkeypatch):
+    def histogram_on_a_full_device(data):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(exponent_codec, "exponent_histogram", histogram_on_a_full_device)
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=6))
+    expected = driver.memory[weights].clone()
+    manager.sleep(offload_tags=("weights",))
+    assert all(piece.coded is None for piece in manager.allocations[weights].coded.pieces)
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
+
+
+@fresh_process
 def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
