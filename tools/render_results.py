@@ -635,6 +635,10 @@ def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
             for key in ("gpus", "driver_version", "vllm", "torch", "python")
             if host.get(key) is not None
         ),
+        *[
+            f"- Switches the servers inherited: {code(f'{key}={value}')}"
+            for key, value in sorted((data.get("switches") or {}).items())
+        ],
         "",
     ]
     lines += table(["", *[code(c) for c in names]], rows)

@@ -142,3 +142,12 @@ def test_a_bench_runs_floor_is_rendered_with_its_table(tmp_path):
     index = (tmp_path / "index.md").read_text()
     assert "The run's floor (a bare CUDA context with a cuBLAS handle, stack" in index
     assert "released): 500 MiB over the idle GPU." in index
+
+
+def test_a_bench_runs_switches_are_rendered_with_it(tmp_path):
+    run = _load("bench-h200.json")
+    run["switches"] = {"VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "1"}
+    (tmp_path / "bench-switches.json").write_text(json.dumps(run))
+    assert render_results.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0
+    index = (tmp_path / "index.md").read_text()
+    assert "- Switches the servers inherited: `VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1`" in index
