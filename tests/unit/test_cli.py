@@ -586,10 +586,13 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
 def test_the_switches_the_servers_inherit_are_recorded_and_printed(fake_bench, capsys, monkeypatch):
     # A run with coded weight backups measures something else than one without:
     # its results and its table say so.
+    from vllm_graph_sleep.allocator import SWITCH_ENVS
+
     argv, out = fake_bench
+    for name in SWITCH_ENVS:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", "1")
     monkeypatch.setenv("VLLM_GRAPH_SLEEP_HOST_BUFFERS", "torch")
-    monkeypatch.delenv("VLLM_GRAPH_SLEEP_ZERO_ON_WAKE", raising=False)
     assert cli.main([*argv, "--configs", "ours"]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["switches"] == {
