@@ -54,6 +54,8 @@ GRAPHS = 67
 class State:
     def __init__(self, config: str, used_file: Path, pressure_file: Path | None = None):
         self.config = config
+        # ours_coded is ours with coded weight backups (its own environment switch).
+        self.ours = config in ("ours", "ours_coded")
         self.used_file = used_file
         self.pressure_file = pressure_file
         self.graphs = 0 if config == "stock_eager" else SIZES["cudagraph"]
@@ -75,7 +77,7 @@ class State:
     def graph_resident(self) -> bool:
         # Stock keeps graphs on the GPU at every level; ours backs them up while
         # everything sleeps and restores them with the first tag that wakes.
-        return self.config != "ours" or any(self.mapped.values())
+        return not self.ours or any(self.mapped.values())
 
     def used(self) -> int:
         total = IDLE + CONTEXT
@@ -100,7 +102,7 @@ class State:
 
     def pin_backup(self, level: int) -> None:
         """What a sleep at `level` copies to host, pinned as torch would."""
-        backup = self.graphs if self.config == "ours" else 0
+        backup = self.graphs if self.ours else 0
         backup += SIZES["weights"] if level == 1 else 0
         if backup:
             needed = PINNED_AT_START + (1 << (backup - 1).bit_length())
@@ -117,7 +119,7 @@ class State:
         tags = {}
         for tag, on in self.mapped.items():
             size = SIZES[tag]
-            if self.config == "ours":
+            if self.ours:
                 kept = tag == "weights" and self.level == 1
                 tags[tag] = {
                     "mapped": size if on else 0,
@@ -127,13 +129,13 @@ class State:
             else:
                 tags[tag] = {"mapped": size if on else 0, "asleep": 0 if on else size}
         report = {
-            "graph_offload_active": self.config == "ours",
+            "graph_offload_active": self.ours,
             "driver_free_bytes": TOTAL - self.used() - self.held_by_others(),
             "driver_total_bytes": TOTAL,
             "tags": tags,
             "allocator": "vllm",
         }
-        if self.config == "ours":
+        if self.ours:
             resident = self.graph_resident()
             tags["cudagraph"] = {
                 "mapped": self.graphs if resident else 0,
@@ -150,7 +152,7 @@ class State:
         """The worker's ledger as vllm_graph_sleep.ledger shapes it: the context
         and what the sleep-mode allocator and torch's graph pools hold."""
         mapped = sum(t["mapped"] for t in tags.values())
-        ours = self.config == "ours"
+        ours = self.ours
         asleep = not any(self.mapped.values())
         fields = {
             "device": 0,
@@ -318,6 +320,8 @@ def main() -> int:
     parser.add_argument("--pressure-file", type=Path)
     args = parser.parse_args()
     print(f"fake-vllm: serving {args.config} on {args.port}", flush=True)
+    if os.environ.get("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS") == "1":
+        print("fake-vllm: weight backups coded", flush=True)
     Handler.state = State(args.config, args.used_file, args.pressure_file)
     if os.environ.get("FAKE_ENGINE_FAILS"):
         # vLLM's engine core dying at start-up while the API server hangs on.

@@ -150,7 +150,7 @@ def test_the_bench_makes_its_model_in_a_child_process(tmp_path, monkeypatch):
         runner.resolve_model(BenchSettings(cache_dir=tmp_path, model_kind="qwen3_moe"), print)
 
 
-@pytest.mark.parametrize("config", ["ours", "stock_graphs", "stock_eager"])
+@pytest.mark.parametrize("config", ["ours", "ours_coded", "stock_graphs", "stock_eager"])
 def test_serve_command_per_config(config):
     command = serve_command(
         config, "/m", 8123, tp=2, gpu_memory_utilization=0.4, max_model_len=512, extra=("--x",)
@@ -166,12 +166,12 @@ def test_serve_command_per_config(config):
         f"--worker-extension-cls {PROBE_EXTENSION}",
     ):
         assert expected in text
-    assert ("--sleep-mode-offload-cudagraph" in command) == (config == "ours")
+    assert ("--sleep-mode-offload-cudagraph" in command) == config.startswith("ours")
     assert ("--enforce-eager" in command) == (config == "stock_eager")
     assert command[-1] == "--x"
 
 
-@pytest.mark.parametrize("config", ["ours", "stock_graphs", "stock_eager"])
+@pytest.mark.parametrize("config", ["ours", "ours_coded", "stock_graphs", "stock_eager"])
 def test_serve_command_is_what_vllm_serve_parses(config):
     """The arguments go through vLLM 0.26's own `vllm serve` parser (plugin on)."""
     command = serve_command(
@@ -185,7 +185,7 @@ def test_serve_command_is_what_vllm_serve_parses(config):
     assert (engine_args.max_model_len, engine_args.seed) == (1024, 0)
     assert engine_args.enforce_eager is (config == "stock_eager")
     flag = (engine_args.additional_config or {}).get("sleep_mode_offload_cudagraph", False)
-    assert flag is (config == "ours")
+    assert flag is config.startswith("ours")
 
 
 def test_probe_extension_is_importable_by_its_qualified_name():
@@ -603,6 +603,28 @@ def test_the_switches_the_servers_inherit_are_recorded_and_printed(fake_bench, c
         "switches: VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1, VLLM_GRAPH_SLEEP_HOST_BUFFERS=torch"
         in capsys.readouterr().out
     )
+
+
+def test_ours_with_coded_backups_is_a_configuration_of_its_own(fake_bench, capsys, monkeypatch):
+    # Coded backups trade a slower sleep for a faster wake: one bench runs ours
+    # both ways beside stock, the switch set for ours_coded's server alone.
+    from vllm_graph_sleep.allocator import COMPRESS_BACKUPS_ENV, SWITCH_ENVS
+    from vllm_graph_sleep.bench.server import CONFIG_ENV
+
+    assert CONFIG_ENV["ours_coded"] == {COMPRESS_BACKUPS_ENV: "1"}
+    argv, out = fake_bench
+    for name in SWITCH_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main([*argv, "--configs", "ours,ours_coded,stock_graphs"]) == 0
+    captured = capsys.readouterr().out
+    assert "ours, coded backups" in captured.splitlines()[0]
+    assert table_row(captured, "bit-exact after wake") == ["4/4"] * 3
+    results = json.loads((out / "results.json").read_text())
+    assert [c["config"] for c in results["configs"]] == ["ours", "ours_coded", "stock_graphs"]
+    assert "switches" not in captured and results["switches"] == {}
+    logs = {name: (out / f"{name}.server.log").read_text() for name in ("ours", "ours_coded")}
+    assert "weight backups coded" in logs["ours_coded"]
+    assert "weight backups coded" not in logs["ours"]
 
 
 @pytest.mark.parametrize(

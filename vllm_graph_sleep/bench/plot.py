@@ -16,7 +16,12 @@ from typing import Any
 from vllm_graph_sleep.bench.server import CONFIG_LABELS
 
 MiB = 2**20
-COLORS = {"ours": "tab:green", "stock_graphs": "tab:red", "stock_eager": "tab:blue"}
+COLORS = {
+    "ours": "tab:green",
+    "ours_coded": "tab:olive",
+    "stock_graphs": "tab:red",
+    "stock_eager": "tab:blue",
+}
 MARKERS = {"sleep": "v", "wake": "^"}
 
 

@@ -173,7 +173,7 @@ def run(
         server = Server(
             name,
             command_for(name, model, port, settings),
-            server_env(env),
+            server_env(env, name),
             out / f"{name}.server.log",
         )
         client = Client(f"http://127.0.0.1:{port}", name, server.where, settings.request_timeout)

@@ -28,11 +28,19 @@ PROBE_EXTENSION = "vllm_graph_sleep.probe.ProbeWorkerExtension"
 #: Per configuration: what it adds to the common `vllm serve` arguments.
 CONFIG_ARGS: dict[str, tuple[str, ...]] = {
     "ours": ("--sleep-mode-offload-cudagraph",),
+    "ours_coded": ("--sleep-mode-offload-cudagraph",),
     "stock_graphs": (),
     "stock_eager": ("--enforce-eager",),
 }
+#: Per configuration: what it sets in the server's environment. Coded weight
+#: backups (allocator.COMPRESS_BACKUPS_ENV) trade a slower sleep for a faster
+#: wake; as a configuration of its own, one bench measures both sides.
+CONFIG_ENV: dict[str, dict[str, str]] = {
+    "ours_coded": {"VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "1"},
+}
 CONFIG_LABELS = {
     "ours": "ours (graph offload)",
+    "ours_coded": "ours, coded backups",
     "stock_graphs": "stock, graphs",
     "stock_eager": "stock, eager",
 }
@@ -100,9 +108,11 @@ def keep_multicast_off(env: MutableMapping[str, str]) -> None:
         env[config.FLASHINFER_ALLREDUCE_BACKEND] = backend
 
 
-def server_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The bench's environment (NCCL_* and the rest kept) plus the dev endpoints."""
+def server_env(environ: dict[str, str] | None = None, config: str | None = None) -> dict[str, str]:
+    """The bench's environment (NCCL_* and the rest kept) plus the dev endpoints
+    and what `config` sets (CONFIG_ENV)."""
     env = dict(os.environ if environ is None else environ)
+    env.update(CONFIG_ENV.get(config, {}))
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up, /is_sleeping, /collective_rpc
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # skips a ~96 s JIT build
     env.setdefault("PYTHONUNBUFFERED", "1")

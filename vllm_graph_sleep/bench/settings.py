@@ -6,6 +6,8 @@ import dataclasses
 from pathlib import Path
 
 CONFIGS = ("ours", "stock_graphs", "stock_eager")
+#: What --configs accepts: the default three, and ours with coded weight backups.
+ALL_CONFIGS = (*CONFIGS, "ours_coded")
 LEVELS = (1, 2)
 WAKES = ("full", "staged")
 

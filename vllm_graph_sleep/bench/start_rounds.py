@@ -72,6 +72,8 @@ def _start_once(
 ) -> dict[str, Any]:
     port = free_port()
     log = Path(settings.out) / f"{name}.start-round-{number}.server.log"
-    server = Server(name, command_for(name, results["model"], port, settings), server_env(env), log)
+    server = Server(
+        name, command_for(name, results["model"], port, settings), server_env(env, name), log
+    )
     seconds = server.start_to_health(f"http://127.0.0.1:{port}", settings.start_timeout)
     return {"start_s": round(seconds, 3), "engine_init": server.engine_init(), "log": str(log)}
