@@ -801,6 +801,7 @@ class GraphSleepAllocator:
         live = self._graph_pool_live_ranges()
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
+        to_code: dict[int, list[tuple[Allocation, list[tuple[torch.Tensor, torch.Tensor]]]]] = {}
         for allocation in allocations:
             allocation.backup_ranges = live.get(allocation.address)
             needed = allocation.backup_bytes()
@@ -812,15 +813,20 @@ class GraphSleepAllocator:
                 allocation.drop_host()
                 allocation.host = self._driver.host_buffer(needed)
             pairs = self._backup_pairs(allocation)
-            if self.compress_backups and allocation.tag == WEIGHTS_TAG and pairs:
-                # Imported here: it brings Triton, which nothing else needs.
-                from vllm_graph_sleep import coded_backup
-
-                allocation.coded = coded_backup.back_up(pairs)
-                continue
             allocation.coded = None
+            if self.compress_backups and allocation.tag == WEIGHTS_TAG and pairs:
+                to_code.setdefault(allocation.device, []).append((allocation, pairs))
+                continue
             for device_range, host_range in pairs:
                 host_range.copy_(device_range, non_blocking=True)
+        if to_code:
+            # Imported here: it brings Triton, which nothing else needs.
+            from vllm_graph_sleep import coded_backup
+
+            for coding in to_code.values():
+                backups = coded_backup.back_up([pairs for _, pairs in coding])
+                for (allocation, _), backup in zip(coding, backups, strict=True):
+                    allocation.coded = backup
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
         if any(allocation.coded is not None for allocation in allocations):

@@ -13,6 +13,7 @@ always fits whatever the weights hold.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -49,87 +50,296 @@ class CodedBackup:
         return sum(p.size if p.coded is None else p.coded.piece.encoded_bytes for p in self.pieces)
 
 
-def _place(host: torch.Tensor, encoded: Encoded) -> Encoded | None:
-    """Views of `host` for `encoded`'s three buffers, copies queued into them;
-    None when they would not fit in `host`. Two int32 buffers, then bytes: the
-    views stay aligned wherever `host` starts on a 4-byte boundary (a piece of a
-    host buffer starts at a multiple of PIECE_BYTES, a pair at one of 512)."""
-    starts_at = 4 * encoded.stream.numel()
-    raw_at = starts_at + 4 * encoded.starts.numel()
-    end = raw_at + encoded.raw.numel()
-    if end > host.numel():
-        return None
-    placed = Encoded(
-        encoded.piece,
-        host[:starts_at].view(torch.int32),
-        host[starts_at:raw_at].view(torch.int32),
-        host[raw_at:end],
-    )
-    placed.stream.copy_(encoded.stream, non_blocking=True)
-    placed.starts.copy_(encoded.starts, non_blocking=True)
-    placed.raw.copy_(encoded.raw, non_blocking=True)
-    return placed
+# Pieces coded at once, each on a stream of its own with its own scratch
+# (about 81 MiB for 64 MiB pieces): a lane steps through its symbols one after
+# another, so one kernel leaves most of the GPU idle, and one piece's check
+# runs beside the next ones' count and encode while the copier takes an
+# earlier piece to the host.
+SLOTS = 3
 
 
-def _checked(chunk: torch.Tensor, encoded: Encoded | None, lookup: torch.Tensor) -> bool:
-    """Whether `encoded` decodes back to `chunk`, checked on the device while
-    the original is still there: a coder fault keeps the piece raw (and is
-    logged) instead of reaching a wake."""
-    if encoded is None:
-        return False
-    decoded = torch.empty_like(chunk)
-    exponent_codec.decode_into(encoded, decoded, lookup)
-    if torch.equal(decoded, chunk):
-        return True
-    logger.error(
-        "graph-sleep: a coded backup piece (%d bytes) did not decode to its original; "
-        "it is kept raw. Please report this with your GPU, driver, torch and Triton versions.",
-        chunk.numel(),
-    )
-    return False
+@dataclasses.dataclass
+class _Plan:
+    """A piece to code, planned from its exponent counts."""
+
+    backup: int  # index into the sleep's backups (and tables)
+    piece: int  # index into that backup's pieces
+    chunk: torch.Tensor
+    room: torch.Tensor  # its bytes of the host buffer
+    lanes: int
+    bound: int  # the most words its stream can take
+
+    @property
+    def symbols(self) -> int:
+        return self.chunk.numel() // 2
+
+    def host_views(self, total_words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The room's stream (its first `total_words` + 1 words of bound + 1),
+        starts and raw bytes: int32 buffers first, so the views stay aligned
+        wherever the room starts on a 4-byte boundary (a piece of a host buffer
+        starts at a multiple of PIECE_BYTES, a pair at one of 512)."""
+        starts_at = 4 * (self.bound + 1)
+        raw_at = starts_at + 4 * self.lanes
+        return (
+            self.room[: 4 * (total_words + 1)].view(torch.int32),
+            self.room[starts_at:raw_at].view(torch.int32),
+            self.room[raw_at : raw_at + self.symbols],
+        )
 
 
-def back_up(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CodedBackup:
-    """Queues copies of every device range into its host range, coded where
-    that pays and the coded piece decodes back to the original. One code table
-    for the whole allocation (its weights share their shape of distribution);
-    the copies run on the current stream. Coding needs device memory for its
-    scratch (a few hundred MiB): without it, the rest is backed up raw, so that
-    a sleep on a full GPU still frees it."""
-    histogram = [0] * 256
+class _Slot:
+    """Scratch and a stream for one piece in flight."""
+
+    def __init__(self, device: torch.device, lanes: int, symbols: int) -> None:
+        def scratch(count: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(count, dtype=dtype, device=device)
+
+        self.lane_bits = scratch(lanes, torch.int32)
+        self.lane_words = scratch(lanes, torch.int32)
+        self.ends = scratch(lanes, torch.int32)
+        self.starts = scratch(lanes, torch.int32)
+        # Room for the longest code on every symbol: a stream longer than its
+        # plan's bound (a fault) stays inside the slot and is found at the end.
+        per_lane = -(-exponent_codec.SYMBOLS_PER_LANE * exponent_codec.MAX_CODE_BITS // 32)
+        self.words = scratch(lanes * per_lane + 1, torch.int32)
+        self.raw = scratch(symbols, torch.uint8)
+        on_gpu = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if on_gpu else None
+        self.coded = torch.cuda.Event() if on_gpu else None
+        self.copied: torch.cuda.Event | None = None  # recorded once the slot's piece is out
+
+
+def _stream(stream: torch.cuda.Stream | None):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _split(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[_Piece]:
+    """An allocation's pieces, raw until coded."""
+    return [
+        _Piece(index, offset, size, None, host[offset : offset + size])
+        for index, (device, host) in enumerate(pairs)
+        for offset in range(0, device.numel(), PIECE_BYTES)
+        for size in (min(PIECE_BYTES, device.numel() - offset),)
+    ]
+
+
+def _histograms(
+    allocations: list[list[tuple[torch.Tensor, torch.Tensor]]], device: torch.device
+) -> list[list[list[int]]] | None:
+    """The exponent counts of every piece of every allocation: one pass over
+    the weights, one wait. None without device memory for the counts."""
+    piece_symbols = PIECE_BYTES // 2
+    sizes = [[-(-d.numel() // PIECE_BYTES) for d, _ in pairs] for pairs in allocations]
     try:
-        for device, _ in pairs:
-            usable = device[: device.numel() // 2 * 2].view(torch.int16)
-            for value, count in enumerate(exponent_codec.exponent_histogram(usable)):
-                histogram[value] += count
+        rows = torch.zeros(sum(map(sum, sizes)), 256, dtype=torch.int32, device=device)
+        row = 0
+        for pairs, pieces in zip(allocations, sizes, strict=True):
+            for (chunk, _), count in zip(pairs, pieces, strict=True):
+                usable = chunk[: chunk.numel() // 2 * 2].view(torch.int16)
+                exponent_codec.add_piece_histograms(usable, piece_symbols, rows[row : row + count])
+                row += count
+        counts = rows.tolist()
     except torch.OutOfMemoryError as error:
         _short_of_memory(error)
-        histogram = [0] * 256
+        return None
+    per_allocation, row = [], 0
+    for pieces in sizes:
+        per_allocation.append(counts[row : row + sum(pieces)])
+        row += sum(pieces)
+    return per_allocation
+
+
+def _plan(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], number: int, counts: list[list[int]] | None
+) -> tuple[CodedBackup, list[_Plan]]:
+    """The allocation's backup, every piece raw, with its table made from its
+    counts, and the plans of the pieces worth coding."""
+    pieces = _split(pairs)
+    histogram = [sum(column) for column in zip(*counts, strict=True)] if counts else [0] * 256
     coding = any(histogram)
-    if not coding:
-        histogram[0] = 1  # nothing to code: every piece stays raw
-    table = exponent_codec.build_table(histogram)
-    host_lookup = table.decoder_tensor(torch.device("cpu"))
-    lookup = host_lookup.to(pairs[0][0].device)
-    encoder = table.encoder_tensors(pairs[0][0].device)
-    pieces: list[_Piece] = []
-    for index, (device, host) in enumerate(pairs):
-        for offset in range(0, device.numel(), PIECE_BYTES):
-            chunk = device[offset : offset + PIECE_BYTES]
-            room = host[offset : offset + chunk.numel()]
-            placed = None
-            if coding and chunk.numel() % 2 == 0:
-                try:
-                    encoded = exponent_codec.encode(chunk, table, encoder)
-                    placed = _place(room, encoded) if _checked(chunk, encoded, lookup) else None
-                except torch.OutOfMemoryError as error:
-                    _short_of_memory(error)
-                    coding = False
-            if placed is None:
-                room.copy_(chunk, non_blocking=True)
-            raw = room if placed is None else None
-            pieces.append(_Piece(index, offset, chunk.numel(), placed, raw))
-    return CodedBackup(table, host_lookup, pieces)
+    table = exponent_codec.build_table(histogram if coding else [1] + [0] * 255)
+    plans = []
+    for index, piece in enumerate(pieces):
+        if not coding or piece.size % 2:
+            continue
+        lanes = exponent_codec.lanes_for(piece.size // 2)
+        bound = exponent_codec.stream_words_bound(table.coded_bits(counts[index]), lanes)
+        if 4 * (bound + 1 + lanes) + piece.size // 2 <= exponent_codec.WORTHWHILE * piece.size:
+            chunk = pairs[piece.pair][0][piece.offset : piece.offset + piece.size]
+            plans.append(_Plan(number, index, chunk, piece.raw, lanes, bound))
+    return CodedBackup(table, table.decoder_tensor(torch.device("cpu")), pieces), plans
+
+
+# A table's row on the device: its codes, its lengths, its decoder.
+_CODES = slice(0, 256)
+_LENGTHS = slice(256, 512)
+_LOOKUP = slice(512, 512 + (1 << exponent_codec.MAX_CODE_BITS))
+
+
+class _Coder:
+    """Queues the coding of planned pieces on its slots' streams and their
+    copies, and the raw pieces' copies, on a stream of its own; `finish`
+    waits and keeps what decoded back. Each allocation's table goes to the
+    device on a third stream as soon as it is made, so that the host makes
+    the next tables while the device codes."""
+
+    def __init__(self, device: torch.device, allocations: int, pieces: int, symbols: int):
+        self._device = device
+        self._on_gpu = device.type == "cuda"
+        self._plans: list[_Plan] = []
+        self._backups: list[CodedBackup] = []
+        rows = (allocations, _LOOKUP.stop)
+        self._tables_host = torch.empty(rows, dtype=torch.int32, pin_memory=self._on_gpu)
+        self._tables = torch.empty(rows, dtype=torch.int32, device=device)
+        self._totals = torch.zeros(pieces, dtype=torch.int32, device=device)
+        self._mismatches = torch.zeros(pieces, dtype=torch.int32, device=device)
+        lanes = exponent_codec.lanes_for(symbols)
+        self._slots = [_Slot(device, lanes, symbols) for _ in range(SLOTS)]
+        self._table_stream = torch.cuda.Stream(device) if self._on_gpu else None
+        self._table_ready: dict[int, torch.cuda.Event] = {}
+        self.copier = torch.cuda.Stream(device) if self._on_gpu else None
+        if self._on_gpu:
+            # Every stream starts after what the current one queued (the scratch).
+            current = torch.cuda.current_stream(device)
+            for stream in [self._table_stream, self.copier] + [s.stream for s in self._slots]:
+                stream.wait_stream(current)
+
+    def add(self, backup: CodedBackup, plans: list[_Plan], pairs) -> None:
+        """Queues the coding of `plans` and the copies of `backup`'s other
+        pieces."""
+        number = len(self._backups)
+        self._backups.append(backup)
+        if plans:
+            self._send_table(number, backup)
+        with _stream(self.copier):
+            _copy_raw(backup, pairs, {plan.piece for plan in plans})
+        for plan in plans:
+            self._queue(plan)
+
+    def _send_table(self, number: int, backup: CodedBackup) -> None:
+        row = self._tables_host[number]
+        row[_CODES] = torch.tensor(backup.table.codes, dtype=torch.int32)
+        row[_LENGTHS] = torch.tensor(backup.table.lengths, dtype=torch.int32)
+        row[_LOOKUP] = backup.lookup
+        with _stream(self._table_stream):
+            self._tables[number].copy_(row, non_blocking=True)
+            if self._on_gpu:
+                self._table_ready[number] = torch.cuda.Event()
+                self._table_ready[number].record(self._table_stream)
+
+    def _queue(self, plan: _Plan) -> None:
+        number = len(self._plans)
+        self._plans.append(plan)
+        slot = self._slots[number % len(self._slots)]
+        table = self._tables[plan.backup]
+        lanes, symbols = plan.lanes, plan.symbols
+        words = plan.chunk.view(torch.int16)
+        starts, raw = slot.starts[:lanes], slot.raw[:symbols]
+        with _stream(slot.stream):
+            if self._on_gpu:
+                slot.stream.wait_event(self._table_ready[plan.backup])
+                if slot.copied is not None:
+                    slot.stream.wait_event(slot.copied)
+            lane_bits, lane_words = slot.lane_bits[:lanes], slot.lane_words[:lanes]
+            exponent_codec.count_lanes(words, table[_LENGTHS], lane_bits)
+            torch.add(lane_bits, 31, out=lane_words).bitwise_right_shift_(5)
+            ends = torch.cumsum(lane_words, dim=0, dtype=torch.int32, out=slot.ends[:lanes])
+            torch.sub(ends, lane_words, out=starts)
+            self._totals[number : number + 1].copy_(ends[lanes - 1 :])
+            exponent_codec.encode_lanes(
+                words, (table[_CODES], table[_LENGTHS]), starts, slot.words, raw
+            )
+            # Checked as the wake will decode it, reading up to the bound: a
+            # lane's codes decode the same whatever bits follow them.
+            piece = exponent_codec.Piece(
+                symbols,
+                exponent_codec.SYMBOLS_PER_LANE,
+                lanes,
+                plan.bound,
+                self._backups[plan.backup].table,
+            )
+            on_device = Encoded(piece, slot.words[: plan.bound + 1], starts, raw)
+            mismatches = self._mismatches[number : number + 1]
+            exponent_codec.count_mismatches(on_device, plan.chunk, table[_LOOKUP], mismatches)
+            if self._on_gpu:
+                slot.coded.record(slot.stream)
+        with _stream(self.copier):
+            if self._on_gpu:
+                self.copier.wait_event(slot.coded)
+            for host, coded in zip(plan.host_views(plan.bound), on_device.buffers(), strict=True):
+                host.copy_(coded, non_blocking=True)
+            if self._on_gpu:
+                slot.copied = torch.cuda.Event()
+                slot.copied.record(self.copier)
+
+    def finish(self) -> None:
+        """Waits for every copy, then keeps each coded piece whose stream
+        stayed in its bound and decoded back to its original; the others are
+        copied raw (the originals are still on the device)."""
+        if self._on_gpu:
+            torch.cuda.synchronize(self._device)
+        totals, mismatches = self._totals.tolist(), self._mismatches.tolist()
+        count = len(self._plans)
+        for plan, total, wrong in zip(self._plans, totals[:count], mismatches[:count], strict=True):
+            backup = self._backups[plan.backup]
+            piece = backup.pieces[plan.piece]
+            if wrong or total > plan.bound:
+                logger.error(
+                    "graph-sleep: a coded backup piece (%d bytes) did not decode to its "
+                    "original; it is kept raw. Please report this with your GPU, driver, torch "
+                    "and Triton versions.",
+                    piece.size,
+                )
+                plan.room.copy_(plan.chunk)
+                continue
+            coded = exponent_codec.Piece(
+                plan.symbols, exponent_codec.SYMBOLS_PER_LANE, plan.lanes, total, backup.table
+            )
+            piece.coded, piece.raw = Encoded(coded, *plan.host_views(total)), None
+
+
+def _copy_raw(backup: CodedBackup, pairs, skipped: frozenset[int] | set[int] = frozenset()) -> None:
+    """Queues the copies of `backup`'s pieces but those numbered in `skipped`."""
+    for index, piece in enumerate(backup.pieces):
+        if index not in skipped:
+            device_range = pairs[piece.pair][0]
+            piece.raw.copy_(
+                device_range[piece.offset : piece.offset + piece.size], non_blocking=True
+            )
+
+
+def back_up(allocations: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[CodedBackup]:
+    """Copies every allocation's device ranges into its host ranges ((device,
+    host) pairs, one list per allocation, all on one device), coded where that
+    pays and the coded piece decodes back to its original, and waits for the
+    copies. One code table per allocation (its weights share their shape of
+    distribution), planned from one pass of exponent counts over all of them;
+    then the pieces are coded, checked and copied out without a wait between
+    them. Coding needs device memory for its scratch (a few hundred MiB):
+    without it, everything is backed up raw, so that a sleep on a full GPU
+    still frees it."""
+    device = allocations[0][0][0].device
+    counts = _histograms(allocations, device)
+    coder = None
+    if counts is not None:
+        largest = max(min(d.numel(), PIECE_BYTES) for pairs in allocations for d, _ in pairs)
+        try:
+            coder = _Coder(device, len(allocations), sum(map(len, counts)), largest // 2)
+        except torch.OutOfMemoryError as error:
+            _short_of_memory(error)
+    backups = []
+    for number, pairs in enumerate(allocations):
+        backup, plans = _plan(pairs, number, None if coder is None else counts[number])
+        backups.append(backup)
+        if coder is not None:
+            coder.add(backup, plans, pairs)
+            continue
+        _copy_raw(backup, pairs)
+    if coder is not None:
+        coder.finish()
+    elif device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return backups
 
 
 def _short_of_memory(error: torch.OutOfMemoryError) -> None:

@@ -94,18 +94,31 @@ def _huffman_lengths(counts: list[int]) -> list[int]:
     return lengths
 
 
+def _halved(counts: list[int], times: int) -> list[int]:
+    return [(count >> times) | 1 if count else 0 for count in counts]
+
+
 def build_table(histogram: list[int]) -> Table:
     """A canonical code for `histogram` (256 counts, at least one nonzero)
     whose codes are at most MAX_CODE_BITS long.
 
-    Rare symbols would get longer codes; halving every count (keeping it
-    nonzero) flattens the tree until they fit, at a cost that is negligible
-    for the skewed histograms this is for (and 256 symbols of count 1 need 8)."""
-    counts = list(histogram)
-    lengths = _huffman_lengths(counts)
-    while max(lengths) > MAX_CODE_BITS:
-        counts = [(count >> 1) | 1 if count else 0 for count in counts]
-        lengths = _huffman_lengths(counts)
+    Rare symbols would get longer codes; halving every count s times (keeping
+    it nonzero) flattens the tree until they fit, at a cost that is negligible
+    for the skewed histograms this is for. The fewest halvings that fit are
+    found by bisection, a handful of Huffman runs (a sleep builds one table per
+    weight allocation): with as many halvings as the largest count has bits
+    every count is 1, and 256 symbols of count 1 need 8 bits."""
+    lengths = _huffman_lengths(histogram)
+    if max(lengths) > MAX_CODE_BITS:
+        short, fits = 0, max(histogram).bit_length()
+        lengths = _huffman_lengths(_halved(histogram, fits))
+        while fits - short > 1:
+            middle = (short + fits) // 2
+            candidate = _huffman_lengths(_halved(histogram, middle))
+            if max(candidate) <= MAX_CODE_BITS:
+                fits, lengths = middle, candidate
+            else:
+                short = middle
     codes = [0] * len(lengths)
     code, previous = 0, 0
     for length, symbol in sorted((length, s) for s, length in enumerate(lengths) if length):
@@ -129,6 +142,16 @@ class Piece:
     @property
     def encoded_bytes(self) -> int:
         return 4 * (self.total_words + 1) + 4 * self.lanes + self.symbols
+
+
+def lanes_for(symbols: int) -> int:
+    return -(-symbols // SYMBOLS_PER_LANE)
+
+
+def stream_words_bound(coded_bits: int, lanes: int) -> int:
+    """The most words `lanes` lanes' streams take for `coded_bits` bits of
+    codes in all: each lane pads its bits to whole words, by at most 31."""
+    return (coded_bits + 31 * lanes) // 32
 
 
 def exponent_histogram(words: torch.Tensor, chunk: int = 1 << 25) -> list[int]:
@@ -168,6 +191,30 @@ def _low_bits(value, count):
 def _exponent(words, index, ok):
     word = tl.load(words + index, mask=ok, other=0).to(tl.int32)
     return word, (word >> 7) & 0xFF
+
+
+@triton.jit
+def _histogram_kernel(
+    words,
+    symbols,
+    piece_symbols,
+    histograms,
+    BLOCK: tl.constexpr,
+    BLOCKS_PER_PROGRAM: tl.constexpr,
+):
+    """Adds the exponent counts of `words` to row (i // piece_symbols) of
+    `histograms` (int32[rows, 256]) for each word i: a program's words all
+    lie in one piece (piece_symbols is a multiple of its BLOCK *
+    BLOCKS_PER_PROGRAM), so it adds its 256 counts once."""
+    start = tl.program_id(0).to(tl.int64) * (BLOCK * BLOCKS_PER_PROGRAM)
+    counts = tl.zeros([256], dtype=tl.int32)
+    for block in range(BLOCKS_PER_PROGRAM):
+        index = start + block * BLOCK + tl.arange(0, BLOCK)
+        ok = index < symbols
+        _, exponent = _exponent(words, index, ok)
+        counts += tl.histogram(exponent, 256, mask=ok)
+    row = start // piece_symbols
+    tl.atomic_add(histograms + row * 256 + tl.arange(0, 256), counts)
 
 
 @triton.jit
@@ -234,12 +281,17 @@ def _decode_kernel(
     out,
     symbols,
     lanes,
+    mismatches,
     SYMBOLS_PER_LANE: tl.constexpr,
     LANES_PER_PROGRAM: tl.constexpr,
     MAX_CODE_BITS: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
+    """Decodes into `out`; with CHECK, compares with what `out` holds instead
+    and adds the words that differ to `mismatches` (int32[1])."""
     lane, lane_ok = _program_lanes(lanes, LANES_PER_PROGRAM)
     at = tl.load(starts + lane, mask=lane_ok, other=0)
+    wrong = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int32)
     buffered = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int64)  # `held` bits, low end
     held = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int32)
     for i in range(SYMBOLS_PER_LANE):
@@ -259,7 +311,13 @@ def _decode_kernel(
         buffered = _low_bits(buffered, held)
         sign_mantissa = tl.load(raw + index, mask=ok, other=0).to(tl.int32)
         value = ((sign_mantissa & 0x80) << 8) | ((entry & 0xFF) << 7) | (sign_mantissa & 0x7F)
-        tl.store(out + index, value.to(tl.int16), mask=ok)
+        if CHECK:
+            original = tl.load(out + index, mask=ok, other=0).to(tl.int32) & 0xFFFF
+            wrong += (ok & (value != original)).to(tl.int32)
+        else:
+            tl.store(out + index, value.to(tl.int16), mask=ok)
+    if CHECK:
+        tl.atomic_add(mismatches, tl.sum(wrong, axis=0))
 
 
 class Encoded:
@@ -271,6 +329,81 @@ class Encoded:
         self.starts = starts
         self.raw = raw
 
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.stream, self.starts, self.raw
+
+
+HISTOGRAM_BLOCK = 2048
+HISTOGRAM_BLOCKS_PER_PROGRAM = 32
+
+
+def add_piece_histograms(words: torch.Tensor, piece_symbols: int, rows: torch.Tensor) -> None:
+    """Adds the exponent counts of each `piece_symbols` words of `words`
+    (int16, on the device) to its row of `rows` (int32[pieces, 256], zeroed by
+    the caller), on the current stream, without waiting for them. One pass,
+    no scratch; `piece_symbols` is a multiple of the kernel's 64K words."""
+    per_program = HISTOGRAM_BLOCK * HISTOGRAM_BLOCKS_PER_PROGRAM
+    if piece_symbols % per_program:
+        raise ValueError(f"pieces of {piece_symbols} words: not a multiple of {per_program}")
+    if words.numel() == 0:
+        return
+    with _on(words.device):
+        _histogram_kernel[(triton.cdiv(words.numel(), per_program),)](
+            words,
+            words.numel(),
+            piece_symbols,
+            rows,
+            BLOCK=HISTOGRAM_BLOCK,
+            BLOCKS_PER_PROGRAM=HISTOGRAM_BLOCKS_PER_PROGRAM,
+        )
+
+
+def _lane_grid(lanes: int) -> tuple[int]:
+    return (triton.cdiv(lanes, LANES_PER_PROGRAM),)
+
+
+def count_lanes(words: torch.Tensor, lengths: torch.Tensor, lane_bits: torch.Tensor) -> None:
+    """Each lane's coded bits into `lane_bits` (int32[lanes_for(words)]), on
+    the current stream."""
+    lanes = lane_bits.numel()
+    with _on(words.device):
+        _count_kernel[_lane_grid(lanes)](
+            words,
+            words.numel(),
+            lanes,
+            lengths,
+            lane_bits,
+            SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
+            LANES_PER_PROGRAM=LANES_PER_PROGRAM,
+        )
+
+
+def encode_lanes(
+    words: torch.Tensor,
+    encoder: tuple[torch.Tensor, torch.Tensor],
+    starts: torch.Tensor,
+    stream: torch.Tensor,
+    raw: torch.Tensor,
+) -> None:
+    """Codes `words` into `stream` at each lane's start (`starts`, from
+    `count_lanes`) and their sign and mantissa bytes into `raw`, on the current
+    stream. Only the lanes' own words of `stream` are written."""
+    codes, lengths = encoder
+    lanes = starts.numel()
+    with _on(words.device):
+        _encode_kernel[_lane_grid(lanes)](
+            words,
+            words.numel(),
+            lanes,
+            codes,
+            lengths,
+            starts,
+            stream,
+            raw,
+            SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
+            LANES_PER_PROGRAM=LANES_PER_PROGRAM,
+        )
+
 
 def encode(
     data: torch.Tensor,
@@ -278,9 +411,10 @@ def encode(
     encoder: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Encoded | None:
     """Encodes `data` (uint8, an even number of bytes under 4 GiB, contiguous)
-    on its device; None when it would not shrink below WORTHWHILE of its size.
-    `encoder`: `table.encoder_tensors(data.device)`, made once by a caller that
-    codes many pieces with one table (each making is a copy that waits)."""
+    on its device and waits for the size; None when it would not shrink below
+    WORTHWHILE of its size. `encoder`: `table.encoder_tensors(data.device)`,
+    made once by a caller that codes many pieces with one table (each making
+    is a copy that waits)."""
     if data.dtype != torch.uint8 or data.numel() % 2 or not data.is_contiguous():
         raise ValueError("encode takes contiguous uint8 data of an even number of bytes")
     if data.numel() >= 1 << 32:
@@ -291,56 +425,30 @@ def encode(
         return None
     if table is None:
         table = build_table(exponent_histogram(words16))
-    per_lane = SYMBOLS_PER_LANE
-    lanes = -(-symbols // per_lane)
-    grid = (triton.cdiv(lanes, LANES_PER_PROGRAM),)
+    lanes = lanes_for(symbols)
     with _on(data.device):
-        codes, lengths = encoder or table.encoder_tensors(data.device)
+        encoder = encoder or table.encoder_tensors(data.device)
         lane_bits = torch.empty(lanes, dtype=torch.int32, device=data.device)
-        _count_kernel[grid](
-            words16,
-            symbols,
-            lanes,
-            lengths,
-            lane_bits,
-            SYMBOLS_PER_LANE=per_lane,
-            LANES_PER_PROGRAM=LANES_PER_PROGRAM,
-        )
+        count_lanes(words16, encoder[1], lane_bits)
         lane_words = (lane_bits + 31) // 32
         ends = torch.cumsum(lane_words, dim=0, dtype=torch.int32)
         total_words = int(ends[-1])
-        piece = Piece(symbols, per_lane, lanes, total_words, table)
+        piece = Piece(symbols, SYMBOLS_PER_LANE, lanes, total_words, table)
         if piece.encoded_bytes > WORTHWHILE * data.numel():
             return None
         starts = ends - lane_words
         stream = torch.zeros(total_words + 1, dtype=torch.int32, device=data.device)
         raw = torch.empty(symbols, dtype=torch.uint8, device=data.device)
-        _encode_kernel[grid](
-            words16,
-            symbols,
-            lanes,
-            codes,
-            lengths,
-            starts,
-            stream,
-            raw,
-            SYMBOLS_PER_LANE=per_lane,
-            LANES_PER_PROGRAM=LANES_PER_PROGRAM,
-        )
+        encode_lanes(words16, encoder, starts, stream, raw)
     return Encoded(piece, stream, starts, raw)
 
 
-def decode_into(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor | None = None) -> None:
-    """Decodes `encoded` (its buffers on `out`'s device) into `out` (uint8,
-    the piece's size), on the current stream."""
+def _decode(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor, mismatches) -> None:
     piece = encoded.piece
     if out.dtype != torch.uint8 or out.numel() != 2 * piece.symbols or not out.is_contiguous():
-        raise ValueError(f"decode_into needs {2 * piece.symbols} contiguous uint8 bytes")
-    if lookup is None:
-        lookup = piece.table.decoder_tensor(out.device)
-    grid = (triton.cdiv(piece.lanes, LANES_PER_PROGRAM),)
+        raise ValueError(f"decoding needs {2 * piece.symbols} contiguous uint8 bytes")
     with _on(out.device):
-        _decode_kernel[grid](
+        _decode_kernel[_lane_grid(piece.lanes)](
             encoded.stream,
             piece.total_words,
             encoded.starts,
@@ -349,10 +457,30 @@ def decode_into(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor | None
             out.view(torch.int16),
             piece.symbols,
             piece.lanes,
+            lookup if mismatches is None else mismatches,  # any pointer: unread without CHECK
             SYMBOLS_PER_LANE=piece.symbols_per_lane,
             LANES_PER_PROGRAM=LANES_PER_PROGRAM,
             MAX_CODE_BITS=MAX_CODE_BITS,
+            CHECK=mismatches is not None,
         )
+
+
+def decode_into(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor | None = None) -> None:
+    """Decodes `encoded` (its buffers on `out`'s device) into `out` (uint8,
+    the piece's size), on the current stream."""
+    if lookup is None:
+        lookup = encoded.piece.table.decoder_tensor(out.device)
+    _decode(encoded, out, lookup, None)
+
+
+def count_mismatches(
+    encoded: Encoded, original: torch.Tensor, lookup: torch.Tensor, mismatches: torch.Tensor
+) -> None:
+    """Decodes `encoded` as `decode_into` would and adds the words that differ
+    from `original` to `mismatches` (int32[1]), on the current stream: the
+    wake's decoder checked against the bytes it will have to give back,
+    without a copy of them."""
+    _decode(encoded, original, lookup, mismatches)
 
 
 def restore(pieces: list[tuple[Encoded, torch.Tensor]], lookups: dict[Table, torch.Tensor]) -> None:

@@ -61,14 +61,13 @@ def test_coded_weight_backups_come_back_bit_exact_in_fewer_bytes(caplog):
 
 @fresh_process
 def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypatch, caplog):
-    real_encode = exponent_codec.encode
+    real_encode_lanes = exponent_codec.encode_lanes
 
-    def encode_with_a_flipped_bit(data, table=None, encoder=None):
-        encoded = real_encode(data, table, encoder)
-        encoded.stream[0] ^= 1
-        return encoded
+    def encode_with_a_flipped_bit(words, encoder, starts, stream, raw):
+        real_encode_lanes(words, encoder, starts, stream, raw)
+        stream[0] ^= 1
 
-    monkeypatch.setattr(exponent_codec, "encode", encode_with_a_flipped_bit)
+    monkeypatch.setattr(exponent_codec, "encode_lanes", encode_with_a_flipped_bit)
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
     driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=5))
@@ -82,44 +81,59 @@ def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypa
 
 
 @fresh_process
-def test_a_sleep_without_device_memory_for_the_coder_backs_the_rest_up_raw(monkeypatch, caplog):
+def test_a_coded_stream_longer_than_its_bound_is_kept_raw(monkeypatch, caplog):
+    # The bound comes from the exponent counts; a count kernel that disagreed
+    # would make a longer stream. It stays in the slot's scratch and the piece raw.
+    real_count_lanes = exponent_codec.count_lanes
+
+    def count_a_word_more(words, lengths, lane_bits):
+        real_count_lanes(words, lengths, lane_bits)
+        lane_bits[-1] += 32 * 2 * lane_bits.numel()  # past the bound's 31 bits of padding per lane
+
+    monkeypatch.setattr(exponent_codec, "count_lanes", count_a_word_more)
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=7))
+    expected = driver.memory[weights].clone()
+    with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights",))
+    assert all(piece.coded is None for piece in manager.allocations[weights].coded.pieces)
+    assert sum("did not decode to its original" in r.getMessage() for r in caplog.records) == 2
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
+
+
+@fresh_process
+def test_a_sleep_without_device_memory_for_the_coder_backs_up_raw(monkeypatch, caplog):
     # The sleep is what frees the GPU: coding must not make it fail on a full one.
-    real_encode = exponent_codec.encode
-    calls = []
+    def scratch_on_a_full_device(device, lanes, symbols):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 44.00 MiB")
 
-    def encode_until_the_device_is_full(data, table=None, encoder=None):
-        calls.append(data.numel())
-        if len(calls) > 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 44.00 MiB")
-        return real_encode(data, table, encoder)
-
-    monkeypatch.setattr(exponent_codec, "encode", encode_until_the_device_is_full)
+    monkeypatch.setattr(coded_backup, "_Slot", scratch_on_a_full_device)
     driver, manager = make(compress_backups=True)
     first = allocate(driver, manager, "weights", SIZE)
     second = allocate(driver, manager, "weights", SIZE)
     for seed, address in enumerate((first, second)):
         driver.memory[address].copy_(bf16_weights(SIZE // 2, seed=seed))
     expected = {address: driver.memory[address].clone() for address in (first, second)}
-    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
-        manager.sleep(offload_tags=("weights",))
-    # The first piece coded; the second refused, the rest of its allocation raw
-    # without asking; the next allocation tries again and is refused too.
-    assert [p.coded is not None for p in manager.allocations[first].coded.pieces] == [True, False]
-    assert [p.coded is not None for p in manager.allocations[second].coded.pieces] == [False] * 2
-    assert len(calls) == 3
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+            manager.sleep(offload_tags=("weights",))
+        for address in (first, second):
+            assert [p.coded for p in manager.allocations[address].coded.pieces] == [None] * 2
+        manager.wake_up()
+        for address, contents in expected.items():
+            assert torch.equal(driver.memory[address], contents)
     warnings = [r.getMessage() for r in caplog.records if "no device memory" in r.getMessage()]
     assert len(warnings) == 1 and "Tried to allocate 44.00 MiB" in warnings[0]
-    manager.wake_up()
-    for address, contents in expected.items():
-        assert torch.equal(driver.memory[address], contents)
 
 
 @fresh_process
-def test_a_sleep_without_device_memory_for_the_histogram_backs_up_raw(monkeypatch):
-    def histogram_on_a_full_device(data):
+def test_a_sleep_without_device_memory_for_the_counts_backs_up_raw(monkeypatch):
+    def counts_on_a_full_device(words, piece_symbols, rows):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(exponent_codec, "exponent_histogram", histogram_on_a_full_device)
+    monkeypatch.setattr(exponent_codec, "add_piece_histograms", counts_on_a_full_device)
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
     driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=6))

@@ -106,6 +106,20 @@ def test_any_bytes_come_back_bit_exact_or_are_left_as_they_are():
     assert skewed_code is not None and max(skewed_code.piece.table.lengths) == MAX_CODE_BITS
 
 
+@fresh_process
+def test_piece_histograms_count_each_pieces_exponents_in_one_pass():
+    per_program = exponent_codec.HISTOGRAM_BLOCK * exponent_codec.HISTOGRAM_BLOCKS_PER_PROGRAM
+    # Two whole pieces and a partial third; a repeated word makes one count large.
+    words = bf16_weights(2 * per_program + 777, seed=9).view(torch.int16).clone()
+    words[5:5000] = 0x3F80
+    rows = torch.zeros(3, 256, dtype=torch.int32, device=DEVICE)
+    exponent_codec.add_piece_histograms(words, per_program, rows)
+    expected = [exponent_codec.exponent_histogram(part) for part in words.split(per_program)]
+    assert rows.tolist() == expected
+    with pytest.raises(ValueError, match="not a multiple"):
+        exponent_codec.add_piece_histograms(words, per_program + 2, rows)
+
+
 def test_the_code_is_canonical_prefix_free_and_within_the_length_limit():
     # Geometric counts over all 256 values: plain Huffman would need 255 bits.
     histogram = [1 << (255 - k) if k < 62 else 1 for k in range(256)]
@@ -146,19 +160,28 @@ def test_the_kernels_compile_for_an_h200_and_an_mi300(target):
             {**count, "codes": "*i32", "starts": "*i32", "stream": "*i32", "raw": "*u8"},
             lanes,
         ),
+        *(
+            (
+                exponent_codec._decode_kernel,
+                {
+                    "stream": "*i32",
+                    "total_words": "i32",
+                    "starts": "*i32",
+                    "raw": "*u8",
+                    "lookup": "*i32",
+                    "out": "*i16",
+                    "symbols": "i32",
+                    "lanes": "i32",
+                    "mismatches": "*i32",
+                },
+                {**lanes, "MAX_CODE_BITS": MAX_CODE_BITS, "CHECK": check},
+            )
+            for check in (False, True)
+        ),
         (
-            exponent_codec._decode_kernel,
-            {
-                "stream": "*i32",
-                "total_words": "i32",
-                "starts": "*i32",
-                "raw": "*u8",
-                "lookup": "*i32",
-                "out": "*i16",
-                "symbols": "i32",
-                "lanes": "i32",
-            },
-            {**lanes, "MAX_CODE_BITS": MAX_CODE_BITS},
+            exponent_codec._histogram_kernel,
+            {"words": "*i16", "symbols": "i64", "piece_symbols": "i64", "histograms": "*i32"},
+            {"BLOCK": 2048, "BLOCKS_PER_PROGRAM": 32},
         ),
     ]
     for kernel, arguments, constants in kernels:
