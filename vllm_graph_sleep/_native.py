@@ -196,6 +196,11 @@ class VmmDriver:
         # torch: a test build runs the ROCm path on CUDA (tests/rocm_shim/).
         return self._ext.platform == "rocm"
 
+    def codes_backups_by_default(self) -> bool:
+        # Measured on H200s (docs/results/bench-h200-run14.md); the kernels
+        # compile for MI300 but have not run on AMD hardware: opt-in there.
+        return not self.is_rocm()
+
 
 def host_buffer_kind(environ: Mapping[str, str] | None = None) -> str:
     """How host buffers are pinned, from VLLM_GRAPH_SLEEP_HOST_BUFFERS."""

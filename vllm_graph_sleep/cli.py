@@ -108,8 +108,9 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         nargs="+",
         type=_list_of(ALL_CONFIGS),
         metavar="C",
-        help="among ours, stock_graphs, stock_eager (default all three, in this order) and "
-        "ours_coded (ours with VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1: a faster wake, a slower sleep)",
+        help="among ours, stock_graphs, stock_eager (default all three, in this order), "
+        "ours_coded and ours_raw (ours with VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1 or 0: weight "
+        "backups coded, the default on CUDA, or copied as they are)",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=_fraction, default=BenchSettings.gpu_memory_utilization

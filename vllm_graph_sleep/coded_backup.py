@@ -125,23 +125,19 @@ def _split(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[_Piece]:
 
 def _histograms(
     allocations: list[list[tuple[torch.Tensor, torch.Tensor]]], device: torch.device
-) -> list[list[list[int]]] | None:
+) -> list[list[list[int]]]:
     """The exponent counts of every piece of every allocation: one pass over
-    the weights, one wait. None without device memory for the counts."""
+    the weights, one wait."""
     piece_symbols = PIECE_BYTES // 2
     sizes = [[-(-d.numel() // PIECE_BYTES) for d, _ in pairs] for pairs in allocations]
-    try:
-        rows = torch.zeros(sum(map(sum, sizes)), 256, dtype=torch.int32, device=device)
-        row = 0
-        for pairs, pieces in zip(allocations, sizes, strict=True):
-            for (chunk, _), count in zip(pairs, pieces, strict=True):
-                usable = chunk[: chunk.numel() // 2 * 2].view(torch.int16)
-                exponent_codec.add_piece_histograms(usable, piece_symbols, rows[row : row + count])
-                row += count
-        counts = rows.tolist()
-    except torch.OutOfMemoryError as error:
-        _short_of_memory(error)
-        return None
+    rows = torch.zeros(sum(map(sum, sizes)), 256, dtype=torch.int32, device=device)
+    row = 0
+    for pairs, pieces in zip(allocations, sizes, strict=True):
+        for (chunk, _), count in zip(pairs, pieces, strict=True):
+            usable = chunk[: chunk.numel() // 2 * 2].view(torch.int16)
+            exponent_codec.add_piece_histograms(usable, piece_symbols, rows[row : row + count])
+            row += count
+    counts = rows.tolist()
     per_allocation, row = [], 0
     for pieces in sizes:
         per_allocation.append(counts[row : row + sum(pieces)])
@@ -317,16 +313,25 @@ def back_up(allocations: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[
     then the pieces are coded, checked and copied out without a wait between
     them. Coding needs device memory for its scratch (a few hundred MiB):
     without it, everything is backed up raw, so that a sleep on a full GPU
-    still frees it."""
+    still frees it; so it is where the coder failed its first use."""
     device = allocations[0][0][0].device
-    counts = _histograms(allocations, device)
-    coder = None
-    if counts is not None:
-        largest = max(min(d.numel(), PIECE_BYTES) for pairs in allocations for d, _ in pairs)
+    return _code(allocations, device, coding=prepare(device))
+
+
+def _code(allocations, device: torch.device, coding: bool, fall_back: bool = True):
+    """`back_up`, coding unless told not to; without device memory for the
+    coder, everything raw if `fall_back`, else the error raised."""
+    coder = counts = None
+    if coding:
         try:
+            counts = _histograms(allocations, device)
+            largest = max(min(d.numel(), PIECE_BYTES) for pairs in allocations for d, _ in pairs)
             coder = _Coder(device, len(allocations), sum(map(len, counts)), largest // 2)
         except torch.OutOfMemoryError as error:
+            if not fall_back:
+                raise
             _short_of_memory(error)
+            coder = None
     backups = []
     for number, pairs in enumerate(allocations):
         backup, plans = _plan(pairs, number, None if coder is None else counts[number])
@@ -340,6 +345,54 @@ def back_up(allocations: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[
     elif device.type == "cuda":
         torch.cuda.synchronize(device)
     return backups
+
+
+# Words of the sample a first use codes: one lane program's worth and more.
+SAMPLE_WORDS = 1 << 16
+# Why the coder cannot run in this process (its first use failed), else None;
+# and the devices where its first use succeeded.
+_broken: str | None = None
+_proven: set[torch.device] = set()
+
+
+def prepare(device: torch.device) -> bool:
+    """Whether the coder runs right on `device`. Triton compiles its kernels
+    at their first use, which can fail where its compiler cannot run, and a
+    sleep must not fail for an optimization: so before a device's first coded
+    backup (at the engine's warm-up, or else at the first sleep), a small
+    sample is coded, checked and restored. A failure is logged once and every
+    later backup of the process is raw; a device short of memory for the
+    sample is tried again at the next sleep."""
+    global _broken
+    if _broken is not None or device in _proven:
+        return _broken is None
+    try:
+        sample = torch.linspace(-0.1, 0.1, SAMPLE_WORDS, device=device).to(torch.bfloat16)
+        original = sample.view(torch.uint8)
+        host = torch.empty_like(original, device="cpu")
+        (backup,) = _code([[(original, host)]], device, coding=True, fall_back=False)
+        restored = torch.empty_like(original)
+        Restore([backup]).add(backup, [(restored, host)])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if any(piece.coded is None for piece in backup.pieces):
+            raise RuntimeError("a sample of bf16 weights was not coded")
+        if not torch.equal(restored, original):
+            raise RuntimeError("a coded sample of bf16 weights did not come back bit-exact")
+    except torch.OutOfMemoryError as error:
+        _short_of_memory(error)
+        return False
+    except Exception as error:  # noqa: BLE001 - whatever the kernels' first use raised
+        first_line = (str(error).strip().splitlines() or ["no message"])[0]
+        _broken = f"{type(error).__name__}: {first_line}"
+        logger.warning(
+            "graph-sleep: weight backups cannot be coded in this process (%s); they are copied "
+            "as they are. VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=0 skips the attempt.",
+            _broken,
+        )
+        return False
+    _proven.add(device)
+    return True
 
 
 def _short_of_memory(error: torch.OutOfMemoryError) -> None:

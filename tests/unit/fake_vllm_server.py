@@ -54,8 +54,8 @@ GRAPHS = 67
 class State:
     def __init__(self, config: str, used_file: Path, pressure_file: Path | None = None):
         self.config = config
-        # ours_coded is ours with coded weight backups (its own environment switch).
-        self.ours = config in ("ours", "ours_coded")
+        # ours_coded and ours_raw are ours with the coding switch set one way.
+        self.ours = config in ("ours", "ours_coded", "ours_raw")
         self.used_file = used_file
         self.pressure_file = pressure_file
         self.graphs = 0 if config == "stock_eager" else SIZES["cudagraph"]
@@ -320,8 +320,8 @@ def main() -> int:
     parser.add_argument("--pressure-file", type=Path)
     args = parser.parse_args()
     print(f"fake-vllm: serving {args.config} on {args.port}", flush=True)
-    if os.environ.get("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS") == "1":
-        print("fake-vllm: weight backups coded", flush=True)
+    coding = os.environ.get("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", "1")  # on by default on CUDA
+    print(f"fake-vllm: weight backups {'coded' if coding == '1' else 'raw'}", flush=True)
     Handler.state = State(args.config, args.used_file, args.pressure_file)
     if os.environ.get("FAKE_ENGINE_FAILS"):
         # vLLM's engine core dying at start-up while the API server hangs on.

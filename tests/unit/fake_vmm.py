@@ -66,6 +66,7 @@ class FakeVmmDriver:
     def __init__(self, capacity: int = 1 << 30, rocm: bool = False):
         self.capacity = capacity
         self.rocm = rocm
+        self.codes_by_default = False
         self.occupied_elsewhere = 0
         self.memory: dict[int, torch.Tensor] = {}  # address -> mapped bytes
         self.map_calls: list[int] = []
@@ -271,6 +272,11 @@ class FakeVmmDriver:
 
     def is_rocm(self) -> bool:
         return self.rocm
+
+    def codes_backups_by_default(self) -> bool:
+        # Its memory is host tensors, which the compiled coder cannot run on:
+        # the coder's tests switch it on and run Triton's interpreter.
+        return self.codes_by_default
 
     def memory_pool(self) -> FakePool:
         return FakePool(self)

@@ -36,7 +36,7 @@ from vllm_graph_sleep.bench import floor, gpu, report, runner
 from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, ServerError, serve_command, server_env
-from vllm_graph_sleep.bench.settings import BenchSettings
+from vllm_graph_sleep.bench.settings import ALL_CONFIGS, BenchSettings
 from vllm_graph_sleep.patches.entrypoints_serve_dev_sleep_api_router import ASLEEP_WAIT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +150,7 @@ def test_the_bench_makes_its_model_in_a_child_process(tmp_path, monkeypatch):
         runner.resolve_model(BenchSettings(cache_dir=tmp_path, model_kind="qwen3_moe"), print)
 
 
-@pytest.mark.parametrize("config", ["ours", "ours_coded", "stock_graphs", "stock_eager"])
+@pytest.mark.parametrize("config", ALL_CONFIGS)
 def test_serve_command_per_config(config):
     command = serve_command(
         config, "/m", 8123, tp=2, gpu_memory_utilization=0.4, max_model_len=512, extra=("--x",)
@@ -171,7 +171,7 @@ def test_serve_command_per_config(config):
     assert command[-1] == "--x"
 
 
-@pytest.mark.parametrize("config", ["ours", "ours_coded", "stock_graphs", "stock_eager"])
+@pytest.mark.parametrize("config", ALL_CONFIGS)
 def test_serve_command_is_what_vllm_serve_parses(config):
     """The arguments go through vLLM 0.26's own `vllm serve` parser (plugin on)."""
     command = serve_command(
@@ -605,26 +605,31 @@ def test_the_switches_the_servers_inherit_are_recorded_and_printed(fake_bench, c
     )
 
 
-def test_ours_with_coded_backups_is_a_configuration_of_its_own(fake_bench, capsys, monkeypatch):
-    # Coded backups trade a slower sleep for a faster wake: one bench runs ours
-    # both ways beside stock, the switch set for ours_coded's server alone.
+def test_ours_with_coded_and_raw_backups_are_configurations_of_their_own(
+    fake_bench, capsys, monkeypatch
+):
+    # Coded backups trade a little sleep for a faster wake: one bench runs ours
+    # both ways beside stock, the switch set for each server alone.
     from vllm_graph_sleep.allocator import COMPRESS_BACKUPS_ENV, SWITCH_ENVS
     from vllm_graph_sleep.bench.server import CONFIG_ENV
 
     assert CONFIG_ENV["ours_coded"] == {COMPRESS_BACKUPS_ENV: "1"}
+    assert CONFIG_ENV["ours_raw"] == {COMPRESS_BACKUPS_ENV: "0"}
     argv, out = fake_bench
     for name in SWITCH_ENVS:
         monkeypatch.delenv(name, raising=False)
-    assert cli.main([*argv, "--configs", "ours,ours_coded,stock_graphs"]) == 0
+    assert cli.main([*argv, "--configs", "ours,ours_coded,ours_raw,stock_graphs"]) == 0
     captured = capsys.readouterr().out
-    assert "ours, coded backups" in captured.splitlines()[0]
-    assert table_row(captured, "bit-exact after wake") == ["4/4"] * 3
+    header = captured.splitlines()[0]
+    assert "ours, coded backups" in header and "ours, raw backups" in header
+    assert table_row(captured, "bit-exact after wake") == ["4/4"] * 4
     results = json.loads((out / "results.json").read_text())
-    assert [c["config"] for c in results["configs"]] == ["ours", "ours_coded", "stock_graphs"]
+    configs = ["ours", "ours_coded", "ours_raw", "stock_graphs"]
+    assert [c["config"] for c in results["configs"]] == configs
     assert "switches" not in captured and results["switches"] == {}
-    logs = {name: (out / f"{name}.server.log").read_text() for name in ("ours", "ours_coded")}
-    assert "weight backups coded" in logs["ours_coded"]
-    assert "weight backups coded" not in logs["ours"]
+    logs = {name: (out / f"{name}.server.log").read_text() for name in configs[:3]}
+    assert "weight backups coded" in logs["ours"] and "weight backups coded" in logs["ours_coded"]
+    assert "weight backups raw" in logs["ours_raw"]
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,12 @@ import sys
 import pytest
 import torch
 
+from tests.unit.fake_vmm import FakeVmmDriver
 from tests.unit.test_allocator_bookkeeping import allocate, make
 from tests.unit.test_exponent_codec import bf16_weights
 from tests.utils import fresh_process
 from vllm_graph_sleep import coded_backup, exponent_codec
+from vllm_graph_sleep.allocator import GraphSleepAllocator
 
 MIB = 1 << 20
 SIZE = 2 * MIB  # the fake driver's granule
@@ -65,12 +67,17 @@ def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypa
 
     def encode_with_a_flipped_bit(words, encoder, starts, stream, raw):
         real_encode_lanes(words, encoder, starts, stream, raw)
-        stream[0] ^= 1
+        if words.numel() == coded_backup.PIECE_BYTES // 2:  # not the first use's sample
+            stream[0] ^= 1
 
     monkeypatch.setattr(exponent_codec, "encode_lanes", encode_with_a_flipped_bit)
+    every_piece_is_kept_raw_with_an_error(caplog, seed=5)
+
+
+def every_piece_is_kept_raw_with_an_error(caplog, seed):
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=5))
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=seed))
     expected = driver.memory[weights].clone()
     with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("weights",))
@@ -88,19 +95,11 @@ def test_a_coded_stream_longer_than_its_bound_is_kept_raw(monkeypatch, caplog):
 
     def count_a_word_more(words, lengths, lane_bits):
         real_count_lanes(words, lengths, lane_bits)
-        lane_bits[-1] += 32 * 2 * lane_bits.numel()  # past the bound's 31 bits of padding per lane
+        if words.numel() == coded_backup.PIECE_BYTES // 2:  # not the first use's sample
+            lane_bits[-1] += 32 * 2 * lane_bits.numel()  # past the bound's 31 bits per lane
 
     monkeypatch.setattr(exponent_codec, "count_lanes", count_a_word_more)
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=7))
-    expected = driver.memory[weights].clone()
-    with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
-        manager.sleep(offload_tags=("weights",))
-    assert all(piece.coded is None for piece in manager.allocations[weights].coded.pieces)
-    assert sum("did not decode to its original" in r.getMessage() for r in caplog.records) == 2
-    manager.wake_up()
-    assert torch.equal(driver.memory[weights], expected)
+    every_piece_is_kept_raw_with_an_error(caplog, seed=7)
 
 
 @fresh_process
@@ -145,6 +144,71 @@ def test_a_sleep_without_device_memory_for_the_counts_backs_up_raw(monkeypatch):
 
 
 @fresh_process
+def test_a_coder_that_fails_its_first_use_leaves_every_backup_raw(monkeypatch, caplog):
+    # Triton compiles the kernels at their first use; where that fails, the
+    # sleep still backs up and frees, and no later sleep tries again.
+    calls = []
+
+    def a_compiler_that_cannot_run(words, lengths, lane_bits):
+        calls.append(words.numel())
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(exponent_codec, "count_lanes", a_compiler_that_cannot_run)
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=8))
+    expected = driver.memory[weights].clone()
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+            manager.sleep(offload_tags=("weights",))
+        assert all(piece.coded is None for piece in manager.allocations[weights].coded.pieces)
+        manager.wake_up()
+        assert torch.equal(driver.memory[weights], expected)
+    assert calls == [coded_backup.SAMPLE_WORDS]
+    (warning,) = [r.getMessage() for r in caplog.records if "cannot be coded" in r.getMessage()]
+    assert "RuntimeError: Failed to find C compiler" in warning
+
+
+@fresh_process
+def test_the_coder_is_compiled_and_checked_at_warm_up_not_at_the_first_sleep(monkeypatch, caplog):
+    # The worker's warm-up calls prepare_backup_coding before vLLM turns its JIT
+    # monitor on; the sleep then codes without trying the sample again.
+    from vllm_graph_sleep.patches import v1_worker_gpu_worker
+
+    real_count_lanes = exponent_codec.count_lanes
+    counted = []
+
+    def counting(words, lengths, lane_bits):
+        counted.append(words.numel())
+        real_count_lanes(words, lengths, lane_bits)
+
+    monkeypatch.setattr(exponent_codec, "count_lanes", counting)
+    driver, manager = make(compress_backups=True)
+    monkeypatch.setattr(v1_worker_gpu_worker.config, "is_active", lambda: True)
+    monkeypatch.setattr(GraphSleepAllocator, "get_instance", staticmethod(lambda: manager))
+
+    class Worker:
+        device = torch.device("cpu")
+
+    def warm_up(worker):
+        assert counted == [coded_backup.SAMPLE_WORDS]  # before the original runs
+        return "warmed"
+
+    wrapped = v1_worker_gpu_worker._wrap_compile_or_warm_up_model(warm_up)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        assert wrapped(Worker()) == "warmed"
+    assert "weight backups are coded; the coder compiled and checked on cpu" in caplog.text
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=9))
+    manager.sleep(offload_tags=("weights",))
+    assert counted == [coded_backup.SAMPLE_WORDS] + [coded_backup.PIECE_BYTES // 2] * 2
+    assert all(piece.coded is not None for piece in manager.allocations[weights].coded.pieces)
+    raw_manager = make(compress_backups=False)[1]
+    raw_manager.prepare_backup_coding(torch.device("cpu"))  # nothing to prepare
+    assert len(counted) == 3
+
+
+@fresh_process
 def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
@@ -157,8 +221,22 @@ def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
     assert allocation.coded is None and allocation.host is None and not allocation.has_backup
 
 
-def test_backups_are_not_coded_unless_switched_on(monkeypatch):
+def test_coding_follows_the_switch_then_the_drivers_default(monkeypatch, caplog):
+    # On by default where the driver says so (CUDA, not ROCm) and Triton
+    # imports; the switch decides either way; unset without Triton: raw, said.
     monkeypatch.delenv("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", raising=False)
+    for by_default in (False, True):
+        driver = FakeVmmDriver()
+        driver.codes_by_default = by_default
+        assert GraphSleepAllocator(driver).compress_backups is by_default
+        for switch, coding in (("0", False), ("1", True)):
+            monkeypatch.setenv("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", switch)
+            assert GraphSleepAllocator(driver).compress_backups is coding
+        monkeypatch.delenv("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS")
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        assert GraphSleepAllocator(driver).compress_backups is False
+    assert "Triton, which codes them, cannot be imported" in caplog.text
     driver, manager = make()
     weights = allocate(driver, manager, "weights", SIZE, value=7)
     manager.sleep(offload_tags=("weights",))

@@ -19,6 +19,7 @@ MiB = 2**20
 COLORS = {
     "ours": "tab:green",
     "ours_coded": "tab:olive",
+    "ours_raw": "tab:cyan",
     "stock_graphs": "tab:red",
     "stock_eager": "tab:blue",
 }

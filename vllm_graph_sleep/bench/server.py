@@ -29,18 +29,21 @@ PROBE_EXTENSION = "vllm_graph_sleep.probe.ProbeWorkerExtension"
 CONFIG_ARGS: dict[str, tuple[str, ...]] = {
     "ours": ("--sleep-mode-offload-cudagraph",),
     "ours_coded": ("--sleep-mode-offload-cudagraph",),
+    "ours_raw": ("--sleep-mode-offload-cudagraph",),
     "stock_graphs": (),
     "stock_eager": ("--enforce-eager",),
 }
 #: Per configuration: what it sets in the server's environment. Coded weight
-#: backups (allocator.COMPRESS_BACKUPS_ENV) trade a slower sleep for a faster
-#: wake; as a configuration of its own, one bench measures both sides.
+#: backups (allocator.COMPRESS_BACKUPS_ENV) trade a little sleep for a faster
+#: wake; as configurations of their own, one bench measures both sides.
 CONFIG_ENV: dict[str, dict[str, str]] = {
     "ours_coded": {"VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "1"},
+    "ours_raw": {"VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "0"},
 }
 CONFIG_LABELS = {
     "ours": "ours (graph offload)",
     "ours_coded": "ours, coded backups",
+    "ours_raw": "ours, raw backups",
     "stock_graphs": "stock, graphs",
     "stock_eager": "stock, eager",
 }

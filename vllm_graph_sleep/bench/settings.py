@@ -6,8 +6,9 @@ import dataclasses
 from pathlib import Path
 
 CONFIGS = ("ours", "stock_graphs", "stock_eager")
-#: What --configs accepts: the default three, and ours with coded weight backups.
-ALL_CONFIGS = (*CONFIGS, "ours_coded")
+#: What --configs accepts: the default three, and ours with weight backups
+#: coded (the default on CUDA, opt-in on ROCm) or copied raw, whatever the default.
+ALL_CONFIGS = (*CONFIGS, "ours_coded", "ours_raw")
 LEVELS = (1, 2)
 WAKES = ("full", "staged")
 

@@ -14,7 +14,10 @@ gate is on in this worker, this patch
   every capture wrapper of both model runners, and passed to NCCL's
   set_graph_pool_id while capturing) at our "cudagraph" pool;
 - tags what compile_or_warm_up_model captures as "cudagraph", with torch's
-  expandable segments off (they and a pluggable-allocator pool do not mix);
+  expandable segments off (they and a pluggable-allocator pool do not mix),
+  and compiles the weight-backup coder before it (GraphSleepAllocator.
+  prepare_backup_coding), so that neither the first sleep nor vLLM's JIT
+  monitor sees Triton compile;
 - turns the "kv_cache" pool that initialize_from_config opens around
   initialize_kv_cache into a "runtime" pool, backed up at every level: the
   attention metadata, block tables and graph input buffers built there must
@@ -132,6 +135,8 @@ def _wrap_compile_or_warm_up_model(original):
         if not config.is_active():
             return original(self, *args, **kwargs)
         allocator = GraphSleepAllocator.get_instance()
+        # Before the original, which turns vLLM's JIT monitor on when it is done.
+        allocator.prepare_backup_coding(self.device)
         with allocator.allocation_tag(GRAPH_TAG), expandable_segments_off():
             return original(self, *args, **kwargs)
 
