@@ -176,7 +176,7 @@ class _Coder:
     """Queues the coding of planned pieces on its slots' streams and their
     copies, and the raw pieces' copies, on a stream of its own; `finish`
     waits and keeps what decoded back. Each allocation's table goes to the
-    device on a third stream as soon as it is made, so that the host makes
+    device on one more stream as soon as it is made, so that the host makes
     the next tables while the device codes."""
 
     def __init__(self, device: torch.device, allocations: int, pieces: int, symbols: int):
@@ -188,7 +188,9 @@ class _Coder:
         self._tables_host = torch.empty(rows, dtype=torch.int32, pin_memory=self._on_gpu)
         self._tables = torch.empty(rows, dtype=torch.int32, device=device)
         self._totals = torch.zeros(pieces, dtype=torch.int32, device=device)
-        self._mismatches = torch.zeros(pieces, dtype=torch.int32, device=device)
+        # A row of 16 bytes per piece: its counter's address stays 16-byte
+        # aligned, which Triton would otherwise compile another variant for.
+        self._mismatches = torch.zeros(pieces, 4, dtype=torch.int32, device=device)
         lanes = exponent_codec.lanes_for(symbols)
         self._slots = [_Slot(device, lanes, symbols) for _ in range(SLOTS)]
         self._table_stream = torch.cuda.Stream(device) if self._on_gpu else None
@@ -255,7 +257,7 @@ class _Coder:
                 self._backups[plan.backup].table,
             )
             on_device = Encoded(piece, slot.words[: plan.bound + 1], starts, raw)
-            mismatches = self._mismatches[number : number + 1]
+            mismatches = self._mismatches[number, :1]
             exponent_codec.count_mismatches(on_device, plan.chunk, table[_LOOKUP], mismatches)
             if self._on_gpu:
                 slot.coded.record(slot.stream)
@@ -274,7 +276,7 @@ class _Coder:
         copied raw (the originals are still on the device)."""
         if self._on_gpu:
             torch.cuda.synchronize(self._device)
-        totals, mismatches = self._totals.tolist(), self._mismatches.tolist()
+        totals, mismatches = self._totals.tolist(), self._mismatches[:, 0].tolist()
         count = len(self._plans)
         for plan, total, wrong in zip(self._plans, totals[:count], mismatches[:count], strict=True):
             backup = self._backups[plan.backup]
@@ -313,12 +315,18 @@ def back_up(allocations: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[
     then the pieces are coded, checked and copied out without a wait between
     them. Coding needs device memory for its scratch (a few hundred MiB):
     without it, everything is backed up raw, so that a sleep on a full GPU
-    still frees it; so it is where the coder failed its first use."""
+    still frees it; so is everything in a process whose coder failed its
+    first use (`prepare`)."""
     device = allocations[0][0][0].device
     return _code(allocations, device, coding=prepare(device))
 
 
-def _code(allocations, device: torch.device, coding: bool, fall_back: bool = True):
+def _code(
+    allocations: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    device: torch.device,
+    coding: bool,
+    fall_back: bool = True,
+) -> list[CodedBackup]:
     """`back_up`, coding unless told not to; without device memory for the
     coder, everything raw if `fall_back`, else the error raised."""
     coder = counts = None

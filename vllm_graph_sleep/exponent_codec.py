@@ -193,7 +193,11 @@ def _exponent(words, index, ok):
     return word, (word >> 7) & 0xFF
 
 
-@triton.jit
+# The kernels' sizes take whatever values the weights and their codes give;
+# specialized, Triton would compile another variant of a kernel for a size
+# divisible by 16 or equal to 1 at the first sleep or wake that meets one,
+# after the worker's warm-up (coded_backup.prepare) compiled the kernels.
+@triton.jit(do_not_specialize=["symbols", "piece_symbols"])
 def _histogram_kernel(
     words,
     symbols,
@@ -217,7 +221,7 @@ def _histogram_kernel(
     tl.atomic_add(histograms + row * 256 + tl.arange(0, 256), counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["symbols", "lanes"])
 def _count_kernel(
     words,
     symbols,
@@ -236,7 +240,7 @@ def _count_kernel(
     tl.store(lane_bits + lane, bits, mask=lane_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["symbols", "lanes"])
 def _encode_kernel(
     words,
     symbols,
@@ -271,7 +275,7 @@ def _encode_kernel(
     tl.store(stream + at, tail.to(tl.int32), mask=lane_ok & (held > 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_words", "symbols", "lanes"])
 def _decode_kernel(
     stream,
     total_words,

@@ -145,6 +145,26 @@ def test_bad_input_is_refused_with_the_reason():
     not isinstance(exponent_codec._decode_kernel, triton.runtime.JITFunction),
     reason="the kernels were defined under TRITON_INTERPRET=1",
 )
+def test_no_size_makes_triton_compile_a_kernel_again():
+    # The worker's warm-up compiles the kernels once (coded_backup.prepare); a
+    # size Triton specialized on (divisible by 16, equal to 1) would make it
+    # compile another variant at a sleep or a wake, under vLLM's JIT monitor.
+    sizes = {"symbols", "lanes", "piece_symbols", "total_words"}
+    kernels = (
+        exponent_codec._histogram_kernel,
+        exponent_codec._count_kernel,
+        exponent_codec._encode_kernel,
+        exponent_codec._decode_kernel,
+    )
+    for kernel in kernels:
+        names = {parameter.name for parameter in kernel.params}
+        assert names & sizes <= set(kernel.do_not_specialize), kernel.fn.__name__
+
+
+@pytest.mark.skipif(
+    not isinstance(exponent_codec._decode_kernel, triton.runtime.JITFunction),
+    reason="the kernels were defined under TRITON_INTERPRET=1",
+)
 @pytest.mark.parametrize(
     "target", [GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)], ids=["sm_90", "gfx942"]
 )
