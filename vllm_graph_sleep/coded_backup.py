@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -38,12 +39,20 @@ class _Piece:
     coded: Encoded | None  # views into the host buffer; None: raw
     raw: torch.Tensor | None  # the host bytes of a raw piece
 
+    def on_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return pairs[self.pair][0][self.offset : self.offset + self.size]
+
 
 @dataclasses.dataclass
 class CodedBackup:
     table: Table
-    lookup: torch.Tensor  # the table's decoder, in host memory: made once, at the sleep
     pieces: list[_Piece]
+
+    @functools.cached_property
+    def lookup(self) -> torch.Tensor:
+        """The table's decoder, in host memory: made once, at the sleep that
+        codes a piece with it (a backup left all raw never needs it)."""
+        return self.table.decoder_tensor(torch.device("cpu"))
 
     @property
     def coded_bytes(self) -> int:
@@ -72,6 +81,11 @@ class _Plan:
     @property
     def symbols(self) -> int:
         return self.chunk.numel() // 2
+
+    def coded_piece(self, total_words: int, table: Table) -> exponent_codec.Piece:
+        return exponent_codec.Piece(
+            self.symbols, exponent_codec.SYMBOLS_PER_LANE, self.lanes, total_words, table
+        )
 
     def host_views(self, total_words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The room's stream (its first `total_words` + 1 words of bound + 1),
@@ -161,9 +175,8 @@ def _plan(
         lanes = exponent_codec.lanes_for(piece.size // 2)
         bound = exponent_codec.stream_words_bound(table.coded_bits(counts[index]), lanes)
         if 4 * (bound + 1 + lanes) + piece.size // 2 <= exponent_codec.WORTHWHILE * piece.size:
-            chunk = pairs[piece.pair][0][piece.offset : piece.offset + piece.size]
-            plans.append(_Plan(number, index, chunk, piece.raw, lanes, bound))
-    return CodedBackup(table, table.decoder_tensor(torch.device("cpu")), pieces), plans
+            plans.append(_Plan(number, index, piece.on_device(pairs), piece.raw, lanes, bound))
+    return CodedBackup(table, pieces), plans
 
 
 # A table's row on the device: its codes, its lengths, its decoder.
@@ -249,13 +262,7 @@ class _Coder:
             )
             # Checked as the wake will decode it, reading up to the bound: a
             # lane's codes decode the same whatever bits follow them.
-            piece = exponent_codec.Piece(
-                symbols,
-                exponent_codec.SYMBOLS_PER_LANE,
-                lanes,
-                plan.bound,
-                self._backups[plan.backup].table,
-            )
+            piece = plan.coded_piece(plan.bound, self._backups[plan.backup].table)
             on_device = Encoded(piece, slot.words[: plan.bound + 1], starts, raw)
             mismatches = self._mismatches[number, :1]
             exponent_codec.count_mismatches(on_device, plan.chunk, table[_LOOKUP], mismatches)
@@ -290,9 +297,7 @@ class _Coder:
                 )
                 plan.room.copy_(plan.chunk)
                 continue
-            coded = exponent_codec.Piece(
-                plan.symbols, exponent_codec.SYMBOLS_PER_LANE, plan.lanes, total, backup.table
-            )
+            coded = plan.coded_piece(total, backup.table)
             piece.coded, piece.raw = Encoded(coded, *plan.host_views(total)), None
 
 
@@ -300,10 +305,7 @@ def _copy_raw(backup: CodedBackup, pairs, skipped: frozenset[int] | set[int] = f
     """Queues the copies of `backup`'s pieces but those numbered in `skipped`."""
     for index, piece in enumerate(backup.pieces):
         if index not in skipped:
-            device_range = pairs[piece.pair][0]
-            piece.raw.copy_(
-                device_range[piece.offset : piece.offset + piece.size], non_blocking=True
-            )
+            piece.raw.copy_(piece.on_device(pairs), non_blocking=True)
 
 
 def back_up(allocations: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[CodedBackup]:
@@ -425,7 +427,7 @@ class Restore:
 
     def add(self, backup: CodedBackup, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for piece in backup.pieces:
-            device = pairs[piece.pair][0][piece.offset : piece.offset + piece.size]
+            device = piece.on_device(pairs)
             if piece.coded is None:
                 device.copy_(piece.raw, non_blocking=True)
             else:

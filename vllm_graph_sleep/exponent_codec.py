@@ -366,20 +366,24 @@ def _lane_grid(lanes: int) -> tuple[int]:
     return (triton.cdiv(lanes, LANES_PER_PROGRAM),)
 
 
-def count_lanes(words: torch.Tensor, lengths: torch.Tensor, lane_bits: torch.Tensor) -> None:
-    """Each lane's coded bits into `lane_bits` (int32[lanes_for(words)]), on
-    the current stream."""
-    lanes = lane_bits.numel()
+def _launch_over_lanes(kernel, words: torch.Tensor, lanes: int, *arguments) -> None:
+    """Launches a kernel whose lanes step through `words`, on the current
+    stream: (words, symbols, lanes, *arguments)."""
     with _on(words.device):
-        _count_kernel[_lane_grid(lanes)](
+        kernel[_lane_grid(lanes)](
             words,
             words.numel(),
             lanes,
-            lengths,
-            lane_bits,
+            *arguments,
             SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
             LANES_PER_PROGRAM=LANES_PER_PROGRAM,
         )
+
+
+def count_lanes(words: torch.Tensor, lengths: torch.Tensor, lane_bits: torch.Tensor) -> None:
+    """Each lane's coded bits into `lane_bits` (int32[lanes_for(words)]), on
+    the current stream."""
+    _launch_over_lanes(_count_kernel, words, lane_bits.numel(), lengths, lane_bits)
 
 
 def encode_lanes(
@@ -393,20 +397,7 @@ def encode_lanes(
     `count_lanes`) and their sign and mantissa bytes into `raw`, on the current
     stream. Only the lanes' own words of `stream` are written."""
     codes, lengths = encoder
-    lanes = starts.numel()
-    with _on(words.device):
-        _encode_kernel[_lane_grid(lanes)](
-            words,
-            words.numel(),
-            lanes,
-            codes,
-            lengths,
-            starts,
-            stream,
-            raw,
-            SYMBOLS_PER_LANE=SYMBOLS_PER_LANE,
-            LANES_PER_PROGRAM=LANES_PER_PROGRAM,
-        )
+    _launch_over_lanes(_encode_kernel, words, starts.numel(), codes, lengths, starts, stream, raw)
 
 
 def encode(
