@@ -74,8 +74,9 @@ RELEASE_STACK_ENV = "VLLM_GRAPH_SLEEP_RELEASE_STACK"
 RELEASE_BLAS_WORKSPACES_ENV = "VLLM_GRAPH_SLEEP_RELEASE_BLAS_WORKSPACES"
 SETTLE_AFTER_SLEEP_ENV = "VLLM_GRAPH_SLEEP_SETTLE_AFTER_SLEEP"
 # Weight backups coded on the device (coded_backup): about two thirds of the
-# bytes over the host link for bf16 weights. On by default on CUDA (run 14: an
-# 8B's level-1 cycle 4% faster, its wake 0.55x stock's), where Triton imports.
+# bytes over the host link for bf16 weights. On by default on CUDA, where Triton
+# imports, for the wake a request waits on (runs 14-15: an 8B's 0.53-0.55x
+# stock's, raw 0.71-0.74x); the sleeps after the first cost 0.05-0.16 s more.
 COMPRESS_BACKUPS_ENV = "VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS"
 WHOLE_GRAPH_POOL_BACKUP_ENV = "VLLM_GRAPH_SLEEP_BACK_UP_WHOLE_GRAPH_POOL"
 # How the driver pins host buffers: "registered" (default) or "torch".
@@ -806,7 +807,7 @@ class GraphSleepAllocator:
     def prepare_backup_coding(self, device: torch.device) -> None:
         """Compiles and checks the weight-backup coder on `device` now, while
         the engine warms up, if backups are coded: Triton compiles kernels at
-        their first use (about 2 s in a fresh process, run 14), which would
+        their first use (2.0-2.6 s in a fresh engine process, run 15), which would
         otherwise fall on the first sleep and set off vLLM's JIT monitor."""
         if not self.compress_backups:
             return
