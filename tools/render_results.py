@@ -1,32 +1,45 @@
 #!/usr/bin/env python3
-"""Renders docs/results/index.md and its charts from the data files in docs/results/.
+"""Renders docs/results/index.md, tables.md and the charts from the data files in
+docs/results/, and README.md's results table from one bench run there.
 
 Every JSON file in the folder is read and recognised by its shape:
+- `vllm-graph-sleep bench` results: "schema" vllm-graph-sleep-bench/... and "summary";
 - allocator benchmark (benchmarks/bench_allocator.py): "bandwidth" and "environment";
 - sleep memory (benchmarks/sleep_memory.py): "results" whose entries carry
   "level1_asleep_used_bytes";
 - any other benchmark with "command" and a "results" list of objects: a table of
   the scalar fields of each result;
 - anything else is listed as not rendered.
-Hand-written pages (*.md other than index.md) and other files (logs, images)
-are linked, not read.
+Hand-written pages (*.md other than index.md and tables.md) are the subject pages:
+index.md lists them with the files each names, and every data file with what it is,
+when and by which command it was measured, and the pages that cite it; tables.md
+renders every data file in full. The archive/ folder (the earlier runs' pages) is
+linked, not read.
 
-Output: index.md plus one SVG bar chart per recognised benchmark file, named
-after it (<stem>.svg). The output depends on the input files only (no clock, no
-host, sorted listings, fixed number formats), so rendering twice gives the same
-bytes; tests/unit/test_render_results.py checks that the committed files are
-what this script renders. Standard library only, plus this package's bench
-report for `vllm-graph-sleep bench` results (the same table the bench prints).
+README.md's results table sits between `<!-- results table: docs/results/RUN.json
+[code=COMMIT] -->` and `<!-- end of results table -->`; `--readme` renders it from
+RUN.json (COMMIT is used where the run did not record its commit).
 
-    python tools/render_results.py              # rewrite docs/results/index.md and the charts
-    python tools/render_results.py --check      # exit 1 if they are out of date
+Output: index.md, tables.md, one SVG bar chart per recognised benchmark file,
+named after it (<stem>.svg). The output depends on the input files only (no clock,
+no host, sorted listings, fixed number formats), so rendering twice gives the same
+bytes; tests/unit/test_render_results.py checks that the committed files and
+README's table are what this script renders. Standard library only, plus this
+package's bench report for `vllm-graph-sleep bench` results (the same table the
+bench prints).
+
+    python tools/render_results.py              # rewrite index.md, tables.md and the charts
+    python tools/render_results.py --check      # exit 1 if they or README's table are stale
     python tools/render_results.py --out DIR    # write somewhere else
+    python tools/render_results.py --readme docs/results/RUN.json [--code COMMIT]
+                                                # README's table from that run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 from collections.abc import Callable, Iterable
@@ -666,7 +679,22 @@ RENDERERS: tuple[tuple[Callable[[Any], bool], Callable[..., Section]], ...] = (
 )
 
 
-# -- the page ---------------------------------------------------------------------
+# -- the pages ----------------------------------------------------------------------
+
+ARCHIVE = "archive"
+TABLES = "tables.md"
+ROCM_UNTESTED = (
+    "**ROCm is untested on hardware.** None of these results ran on an AMD GPU: the "
+    "ROCm build is compiled and linked in CI, its logic is tested on CPU with fakes, and "
+    "its allocator code path runs on an NVIDIA GPU only through a HIP-on-CUDA test "
+    "build, which does not exercise AMD's driver."
+)
+DATA_KINDS = {
+    render_bench_run: "`vllm-graph-sleep bench`",
+    render_allocator_bench: "allocator benchmark",
+    render_sleep_memory: "sleep memory, in-process engines",
+    render_generic_bench: "benchmark",
+}
 
 
 def _page_title(path: Path) -> str:
@@ -676,40 +704,71 @@ def _page_title(path: Path) -> str:
     return path.stem
 
 
+def _short_command(command: Any) -> str:
+    """The recorded command with the interpreter's path to our CLI shown as the
+    console script it stands for."""
+    parts = [str(part) for part in command] if isinstance(command, list) else None
+    if parts and (parts[0].endswith("vllm_graph_sleep/cli.py") or parts[0] == "vllm-graph-sleep"):
+        return shlex.join(["vllm-graph-sleep", *parts[1:]])
+    return command_text(command)
+
+
+def _data_row(name: str, data: Any, kind: str, pages: list[str]) -> list[str]:
+    data = data if isinstance(data, dict) else {}
+    what = kind
+    if data.get("model") or data.get("benchmark"):
+        model = Path(str(data.get("model"))).name if data.get("model") else ""
+        what += f": {code(model)}" if model else f": {data.get('benchmark')}"
+    if isinstance(data.get("summary"), dict) and kind == DATA_KINDS[render_bench_run]:
+        what += ", " + ", ".join(code(c) for c in data["summary"])
+    when = str(data.get("started") or data.get("timestamp") or "")[:10] or "not recorded"
+    command = data.get("command")
+    return [
+        f"[{name}]({name})",
+        what,
+        when,
+        code(_short_command(command)) if command is not None else "not recorded",
+        ", ".join(f"[{page}]({page})" for page in pages) or "none",
+    ]
+
+
 def render(results_dir: Path) -> dict[str, str]:
-    """Everything this script writes: file name -> content."""
+    """Everything this script writes: file name -> content. index.md is the table
+    of contents (the pages, the data each cites, the archive); tables.md renders
+    every data file in full."""
     charts: dict[str, str] = {}
     sections: list[Section] = []
-    unrecognised: list[str] = []
+    data_rows: list[tuple[str, Any, str]] = []
     for path in sorted(results_dir.glob("*.json")):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError):
-            unrecognised.append(path.name)
+            data_rows.append((path.name, None, "not rendered (not JSON)"))
             continue
         for matches, renderer in RENDERERS:
             if matches(data):
                 sections.append(renderer(path.name, data, charts))
+                data_rows.append((path.name, data, DATA_KINDS[renderer]))
                 break
         else:
-            unrecognised.append(path.name)
+            data_rows.append((path.name, data, "not rendered (format not recognised)"))
 
-    outputs = {INDEX, *charts}
+    outputs = {INDEX, TABLES, *charts}
     pages = sorted(p for p in results_dir.glob("*.md") if p.name not in outputs and p.is_file())
-    others = sorted(
+    page_texts = {page.name: page.read_text(encoding="utf-8") for page in pages}
+    files = sorted(
         p.name
         for p in results_dir.iterdir()
-        if p.is_file()
-        and p.suffix not in (".json", ".md")
-        and p.name not in outputs
-        and not p.name.startswith(".")
+        if p.is_file() and p.name not in outputs and not p.name.startswith(".")
     )
+
+    def citing(name: str) -> list[str]:
+        return [page for page, text in page_texts.items() if name in text and page != name]
 
     # A hand-written page that names a data file describes that run; say so where
     # the file itself does not record its hardware and versions.
-    page_texts = {page.name: page.read_text(encoding="utf-8") for page in pages}
     for section in sections:
-        describing = [name for name, text in page_texts.items() if section.source in text]
+        describing = citing(section.source)
         if describing:
             links = ", ".join(f"[{name}]({name})" for name in describing)
             section.lines = [
@@ -718,43 +777,76 @@ def render(results_dir: Path) -> dict[str, str]:
             ]
 
     rocm_runs = [s.source for s in sections if s.gpu_platform == "rocm"]
-    lines = [
+    rocm = (
+        "**ROCm**: measured on AMD hardware in " + ", ".join(code(s) for s in rocm_runs) + "."
+        if rocm_runs
+        else ROCM_UNTESTED
+    )
+    generated = (
+        "<!-- Generated by tools/render_results.py from the files in this folder. "
+        "Do not edit by hand: run `python tools/render_results.py`. -->"
+    )
+    index = [
         "# Measured results",
         "",
-        "<!-- Generated by tools/render_results.py from the data files in this folder. "
-        "Do not edit by hand: run `python tools/render_results.py`. -->",
+        generated,
         "",
-        "Every table below is rendered from a JSON file in this folder, written by the command "
-        "shown with it on the hardware shown with it. `python tools/render_results.py` "
-        "regenerates this page and its charts; `tests/unit/test_render_results.py` fails when "
-        "they are out of date.",
+        "One page per subject, each saying what ran, on what, with which command and code, "
+        "beside its data. [tables.md](tables.md) renders every data file in full; "
+        "`python tools/render_results.py` regenerates both pages and the charts, and "
+        "`tests/unit/test_render_results.py` fails when they are out of date.",
+        "",
+        rocm,
+        "",
+        "## Pages",
         "",
     ]
-    if rocm_runs:
-        lines.append(
-            "**ROCm**: measured on AMD hardware in " + ", ".join(code(s) for s in rocm_runs) + "."
-        )
-    else:
-        lines.append(
-            "**ROCm is untested on hardware.** None of these results ran on an AMD GPU: the "
-            "ROCm build is compiled and linked in CI, its logic is tested on CPU with fakes, and "
-            "its allocator code path runs on an NVIDIA GPU only through a HIP-on-CUDA test "
-            "build, which does not exercise AMD's driver."
-        )
-    lines += ["", "## Contents", ""]
-    for section in sections:
-        lines.append(f"- [{section.title}](#{anchor(section.title)})")
     for page in pages:
-        lines.append(f"- [{_page_title(page)}]({page.name}) (hand-written)")
-    if others:
-        lines.append("- Other files: " + ", ".join(f"[{n}]({n})" for n in others))
-    if unrecognised:
-        lines.append(
-            "- Not rendered (format not recognised): "
-            + ", ".join(f"[{n}]({n})" for n in unrecognised)
+        cited = [n for n in files if not n.endswith(".md") and n in page_texts[page.name]]
+        index.append(
+            f"- [{_page_title(page)}]({page.name})"
+            + (": " + ", ".join(f"[{n}]({n})" for n in cited) if cited else "")
         )
+    index += ["", "## Data", ""]
+    index += table(
+        ["file", "what", "measured", "command (as recorded)", "cited by"],
+        [_data_row(name, data, kind, citing(name)) for name, data, kind in data_rows],
+    )
+    uncited = [
+        name
+        for name in files
+        if not name.endswith((".json", ".md"))
+        and not citing(name)
+        and not any(name == f"{Path(s.source).stem}.png" for s in sections)
+    ]
+    if uncited:
+        index += ["", "Not cited by any page: " + ", ".join(f"[{n}]({n})" for n in uncited)]
+    if (results_dir / ARCHIVE).is_dir():
+        index += [
+            "",
+            "## History",
+            "",
+            f"Every earlier run's page, with a line on each: [{ARCHIVE}/]({ARCHIVE}/README.md).",
+        ]
+
+    tables = [
+        "# Every data file, rendered",
+        "",
+        generated,
+        "",
+        "Every table below is rendered from a JSON file in this folder, written by the command "
+        "shown with it on the hardware shown with it. The subject pages say what each run was "
+        "for: see [index.md](index.md).",
+        "",
+        rocm,
+        "",
+        "## Contents",
+        "",
+    ]
     for section in sections:
-        lines += [
+        tables.append(f"- [{section.title}](#{anchor(section.title)})")
+    for section in sections:
+        tables += [
             "",
             f"## {section.title}",
             "",
@@ -762,7 +854,117 @@ def render(results_dir: Path) -> dict[str, str]:
             "",
             *section.lines,
         ]
-    return {INDEX: "\n".join(lines) + "\n", **dict(sorted(charts.items()))}
+    return {
+        INDEX: "\n".join(index) + "\n",
+        TABLES: "\n".join(tables) + "\n",
+        **dict(sorted(charts.items())),
+    }
+
+
+# -- README's results table -----------------------------------------------------------
+
+README = ROOT / "README.md"
+README_BEGIN = re.compile(r"<!-- results table: (?P<source>\S+?\.json)(?: code=(?P<code>\w+))? -->")
+README_END = "<!-- end of results table -->"
+
+
+def _ms(value: float | None, reference: float | None) -> str:
+    if value is None:
+        return "-"
+    cell = f"{value:.0f}"
+    if reference not in (None, 0):
+        cell += f" ({value / reference:.2f}x)"
+    return cell
+
+
+def _sleeps_ms(record: Json) -> tuple[float | None, float | None]:
+    """The first sleep and the median of the later level-1 sleeps, in ms."""
+    steps = record.get("steps") or []
+    first = 1000 * steps[0]["sleep_s"] if steps else None
+    later = sorted(1000 * s["sleep_s"] for s in steps[1:] if s.get("level") == 1)
+    if not later:
+        return first, None
+    middle = len(later) // 2
+    median = later[middle] if len(later) % 2 else (later[middle - 1] + later[middle]) / 2
+    return first, median
+
+
+def readme_table(data: Json, source: str, page: str, revision: str | None) -> list[str]:
+    """README's one results table: asleep memory, the level-1 wake, the first and
+    later sleeps and the exact tokens of each configuration of a bench run, with
+    ratios against stock with graphs (or stock eager), and a line naming the run."""
+    from vllm_graph_sleep.bench.server import CONFIG_LABELS
+
+    summary = data["summary"]
+    names = list(summary)
+    baseline = next((b for b in ("stock_graphs", "stock_eager") if b in names), None)
+    records = {r["config"]: r for r in data.get("configs") or []}
+    sleeps = {name: _sleeps_ms(records.get(name) or {}) for name in names}
+
+    def asleep(name: str, level: str) -> str:
+        per_gpu = (summary[name].get("asleep_mib") or {}).get(level)
+        return " / ".join(f"{value:.0f}" for value in per_gpu) if per_gpu else "-"
+
+    def ratio_row(label: str, values: dict[str, float | None]) -> list[str]:
+        reference = values.get(baseline) if baseline else None
+        return [label] + [_ms(values[n], None if n == baseline else reference) for n in names]
+
+    rows = [
+        ["asleep, level 1 (MiB over the idle GPU)", *[asleep(n, "1") for n in names]],
+        ["asleep, level 2 (MiB over the idle GPU)", *[asleep(n, "2") for n in names]],
+        ratio_row(
+            "level-1 wake (ms)", {n: (summary[n].get("wake_ms") or {}).get("1 full") for n in names}
+        ),
+        ratio_row("first sleep (ms)", {n: sleeps[n][0] for n in names}),
+        ratio_row("later level-1 sleeps, median (ms)", {n: sleeps[n][1] for n in names}),
+        [
+            "tokens exact after each wake",
+            *["{}/{}".format(*summary[n]["exact"]) for n in names],
+        ],
+    ]
+    host = data.get("host") or {}
+    gpus = host.get("gpus") or []
+    revision = revision or host.get("git_revision") or data.get("git_revision")
+    where = f"{len(gpus)} x {gpus[0]}" if len(gpus) > 1 else (gpus[0] if gpus else "a GPU")
+    caption = (
+        f"From [{Path(source).name}]({source}) ({where}, vLLM {host.get('vllm', 'n/a')}, "
+        f"{str(data.get('started') or 'date not recorded')[:10]}, code "
+        f"{code(revision) if revision else 'not recorded'}): "
+        f"{code(_short_command(data.get('command')))}; page: [{Path(page).name}]({page}). "
+        + (f"Ratios against {CONFIG_LABELS.get(baseline, baseline)}; " if baseline else "")
+        + "memory is NVML's used memory over the idle GPU, the median over the cycles."
+    )
+    header = ["", *[CONFIG_LABELS.get(n, n) for n in names]]
+    return [*table(header, rows), "", caption]
+
+
+def readme_block(readme: str, results_dir: Path, source: str | None, revision: str | None) -> str:
+    """README with its results table rendered again from the run its marker names,
+    or from `source` (a path from the repository root) with the marker moved to it."""
+    begin = README_BEGIN.search(readme)
+    end = readme.find(README_END)
+    if not begin or end < begin.end():
+        raise ValueError(f"README has no '<!-- results table: FILE.json -->' ... '{README_END}'")
+    if source is None:
+        source, revision = begin["source"], revision or begin["code"]
+    name = Path(source).name
+    path = results_dir / name
+    if not path.is_file():
+        raise ValueError(f"{source}: no such file in {results_dir}")
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not is_bench_run(data):
+        raise ValueError(f"{source}: not a `vllm-graph-sleep bench` result")
+    pages = sorted(
+        p.name
+        for p in results_dir.glob("*.md")
+        if p.name not in (INDEX, TABLES) and name in p.read_text(encoding="utf-8")
+    )
+    if not pages:
+        raise ValueError(f"no page in {results_dir} names {name}: describe the run on a page first")
+    folder = str(Path(source).parent)
+    marker = f"<!-- results table: {source}" + (f" code={revision}" if revision else "") + " -->"
+    lines = readme_table(data, source, f"{folder}/{pages[0]}", revision)
+    return readme[: begin.start()] + "\n".join([marker, "", *lines, ""]) + readme[end:]
 
 
 def stale(outputs: dict[str, str], directory: Path) -> list[str]:
@@ -779,16 +981,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="folder of data files")
     parser.add_argument("--out", type=Path, help="output folder (default: --results)")
     parser.add_argument(
-        "--check", action="store_true", help="write nothing; exit 1 if the output is stale"
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if the output (and README's table, for the default "
+        "folder) is stale",
     )
+    parser.add_argument(
+        "--readme",
+        nargs="?",
+        const="",
+        metavar="RUN.json",
+        help="render README's results table again, from RUN.json (docs/results/NAME.json) "
+        "if given, else from the run README names",
+    )
+    parser.add_argument("--code", help="with --readme RUN.json: the commit the run measured")
     args = parser.parse_args(argv)
+    if args.readme is not None:
+        text = README.read_text(encoding="utf-8")
+        try:
+            new = readme_block(text, args.results, args.readme or None, args.code)
+        except ValueError as error:
+            print(f"README.md not changed: {error}", file=sys.stderr)
+            return 1
+        README.write_text(new, encoding="utf-8")
+        print(README)
+        return 0
     outputs = render(args.results)
     out = args.out or args.results
     if args.check:
         names = stale(outputs, out)
+        if args.results == RESULTS_DIR:
+            text = README.read_text(encoding="utf-8")
+            if readme_block(text, RESULTS_DIR, None, None) != text:
+                names.append(str(README))
         if names:
             print(
-                f"out of date in {out}: {', '.join(names)}; run python tools/render_results.py",
+                f"out of date in {out}: {', '.join(names)}; run python tools/render_results.py"
+                " (and --readme for README.md)",
                 file=sys.stderr,
             )
             return 1
