@@ -8,7 +8,7 @@ weights poisoned at wake), generates, sleeps it and, for every torch segment
 outside the sleep pools (the ledger's own rule), lists each block still in use
 with the Python stack that allocated it; then wakes it, generates again and
 compares the tokens. H200 run 8 found vLLM's top-k/top-p sampler scratch this
-way (docs/results/bench-h200-run8.md).
+way (docs/results/archive/bench-h200-run8.md).
 
     python benchmarks/asleep_memory_history.py --out memory-history            # as run 8, before
     python benchmarks/asleep_memory_history.py --history state --out after     # as run 8, after

@@ -40,7 +40,7 @@ from vllm_graph_sleep import exponent_codec
 
 MIB = 1 << 20
 GIB = 1 << 30
-# H200 run 12, 8B-class Llama (docs/results/bench-h200-run12.md).
+# H200 run 12, 8B-class Llama (docs/results/archive/bench-h200-run12.md).
 RUN12_OUTSIDE_COPY_MS = 274.0 - 254.9
 RUN12_COPY_MS = 254.9
 RUN12_STOCK_WAKE_MS = 321.7

@@ -3,7 +3,7 @@
 Issue 15's first-sleep target is open: on an H200 our first sleep pinned about
 as much host memory as stock vLLM's (379 vs 377 MiB, torch rounding each buffer
 up to a power of two) but spent 266 ms in cudaHostAlloc against stock's 146
-(docs/results/bench-h200-run4.md). This separates the candidate causes, each
+(docs/results/archive/bench-h200-run4.md). This separates the candidate causes, each
 mode in a fresh process (torch caches pinned blocks for the life of a process)
 and the order of the modes rotated from one repeat to the next (the bench always
 started ours first):

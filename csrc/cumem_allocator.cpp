@@ -287,7 +287,7 @@ bool allocate(ssize_t size, int device, uint64_t* address) {
 // back. After a large release the CUDA driver defers work that the next
 // mapping call on the device pays, and the longer it waits the more it pays:
 // for 40 GiB on an H200, 3-4 ms after 20 ms and 11-25 ms from 100 ms on; 26 ms
-// for 80 GiB (docs/results/bench-h200-run11.md, as settle.py says). A sleeping
+// for 80 GiB (docs/results/archive/bench-h200-run11.md, as settle.py says). A sleeping
 // allocator calls this from a background thread so that the wake does not pay
 // it. All or nothing.
 bool probe_mapping(int device) {

@@ -197,7 +197,7 @@ class VmmDriver:
         return self._ext.platform == "rocm"
 
     def codes_backups_by_default(self) -> bool:
-        # Measured on H200s (docs/results/bench-h200-run14.md); the kernels
+        # Measured on H200s (docs/results/archive/bench-h200-run14.md); the kernels
         # compile for MI300 but have not run on AMD hardware: opt-in there.
         return not self.is_rocm()
 

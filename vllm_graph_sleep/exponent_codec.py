@@ -1,7 +1,7 @@
 """Lossless coding of bf16-like memory: fewer bytes over the host link.
 
 A level-1 wake of a large model is its weight copy, bound by the PCIe link
-(an 8B-class Llama: 255 ms of a 274 ms wake on an H200, docs/results/
+(an 8B-class Llama: 255 ms of a 274 ms wake on an H200, docs/results/archive/
 bench-h200-run12.md). bf16 weights waste most of their 8 exponent bits: for
 N(0, 0.02) the exponent carries 2.55 bits of information, and DFloat11 (Zhang
 et al., arXiv 2504.11651) finds about 2.6 in real LLM weights. This codec

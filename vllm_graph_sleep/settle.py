@@ -5,7 +5,7 @@ the device pays, and the later that call comes the more it pays, up to about
 0.1 s after the release: on an H200, 40 GiB released cost the first mapping
 1.6 ms 5 ms later, 3-4 ms at 20 ms, 6-8 ms at 50 ms and 11-25 ms from 100 ms on
 (80 GiB: 26 ms). Whoever calls first pays; one call made 150 ms after the
-release left 0.3 ms for the next (docs/results/bench-h200-run11.md). Without
+release left 0.3 ms for the next (docs/results/archive/bench-h200-run11.md). Without
 this, that first call is the wake's. `Settler` makes it from a background
 thread: a probe (map and unmap one granule at a range of its own, nothing the
 allocator tracks) a little after the sleep and another once the work has

@@ -225,7 +225,7 @@ def test_pressure_time_limit_stops_the_server_and_writes_the_file(fake, monkeypa
 
 
 def test_wake_need_per_stage():
-    # The awake tags of docs/results/bench-h200.json (ours, one H200).
+    # The awake tags of docs/results/archive/bench-h200.json (ours, one H200).
     tags = {
         "weights": {"mapped": 240 * MiB},
         "runtime": {"mapped": 2 * MiB},

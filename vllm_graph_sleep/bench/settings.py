@@ -38,7 +38,7 @@ class BenchSettings:
     max_tokens: int = 32
     decode_tokens: int = 128
     # Medians over this many runs (with 3, two measurements of the same server
-    # differed by 10-20 % on an H200: docs/results/bench-h200-run5.md).
+    # differed by 10-20 % on an H200: docs/results/archive/bench-h200-run5.md).
     decode_repeats: int = 5
     start_timeout: float = 900.0
     # Starts to /health (then stopped) before the measured one, so that the

@@ -4,7 +4,7 @@
 One measured start per configuration cannot tell a few percent from start-up
 noise: in one H200 run the API server alone printed its first line 20 s after
 launch in one configuration and 26 s in the next
-(docs/results/bench-h200-run5.md). Here each configuration's server is started
+(docs/results/archive/bench-h200-run5.md). Here each configuration's server is started
 to /health and stopped N more times, with warm caches, the order rotated from
 round to round so that every configuration takes every place; the report shows
 the median of each (report.summarize_all).
