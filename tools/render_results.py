@@ -926,9 +926,11 @@ def readme_table(data: Json, source: str, page: str, revision: str | None) -> li
     gpus = host.get("gpus") or []
     revision = revision or host.get("git_revision") or data.get("git_revision")
     where = f"{len(gpus)} x {gpus[0]}" if len(gpus) > 1 else (gpus[0] if gpus else "a GPU")
+    duration = data.get("duration_s")
+    took = f", {duration / 60:.1f} min end to end" if isinstance(duration, int | float) else ""
     caption = (
         f"From [{Path(source).name}]({source}) ({where}, vLLM {host.get('vllm', 'n/a')}, "
-        f"{str(data.get('started') or 'date not recorded')[:10]}, code "
+        f"{str(data.get('started') or 'date not recorded')[:10]}{took}, code "
         f"{code(revision) if revision else 'not recorded'}): "
         f"{code(_short_command(data.get('command')))}; page: [{Path(page).name}]({page}). "
         + (f"Ratios against {CONFIG_LABELS.get(baseline, baseline)}; " if baseline else "")

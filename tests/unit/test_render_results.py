@@ -259,3 +259,30 @@ def test_readmes_table_moves_to_another_run_and_refuses_one_no_page_names(tmp_pa
         render_results.readme_block(readme, tmp_path, "docs/results/nope.json", None)
     with pytest.raises(ValueError, match="has no"):
         render_results.readme_block("# no table\n", tmp_path, None, None)
+    # A run that records its commit and duration is named by them.
+    run9 = {**_load("bench-h200-run9.json"), "duration_s": 213.4}
+    run9["host"] = {**run9["host"], "git_revision": "0123abc"}
+    (tmp_path / "bench-h200-run9.json").write_text(json.dumps(run9))
+    named = render_results.readme_block(readme, tmp_path, "docs/results/bench-h200-run9.json", None)
+    assert "2026-12-01, 3.6 min end to end, code `0123abc`)" in named
+
+
+def test_readme_keeps_its_two_commands_under_their_headings():
+    """.ci/run takes the test command from README with awk: the first indented line
+    after '## Run the tests'; the main job's command sits the same way under its heading."""
+
+    def first_indented_after(heading: str) -> str:
+        lines = _readme().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+        return next(line[4:] for line in lines[start + 1 :] if line.startswith("    "))
+
+    assert first_indented_after("## Install and run the main job") == (
+        "pip install -e . && vllm-graph-sleep bench"
+    )
+    assert first_indented_after("## Run the tests") == (
+        "pip install -e '.[test]' && python -m pytest tests -q -rs"
+    )
+    awk = re.search(r"readme_tests=\$\(awk '([^']+)' README.md\)", (ROOT / ".ci/run").read_text())
+    assert awk and "/^## Run the tests/" in awk[1], (
+        "the awk line of .ci/run changed: check this test"
+    )
