@@ -118,6 +118,11 @@ class SleepError(RuntimeError):
     """A sleep that could not back up or release its memory; nothing was released."""
 
 
+# vLLM pauses the scheduler before it sleeps the workers and resumes it only on a
+# wake (EngineCore.sleep / wake_up), also after a sleep that failed.
+RESUME_HINT = "vLLM keeps scheduling paused until POST /wake_up (LLM.wake_up() offline)"
+
+
 @dataclasses.dataclass
 class Allocation:
     device: int
@@ -713,7 +718,7 @@ class GraphSleepAllocator:
             raise SleepError(
                 f"sleep failed while backing up {len(to_back_up)} allocations "
                 f"({format_bytes(sum(a.size for a in to_back_up))}) to host memory: {error}. "
-                "Nothing was released; the engine is awake."
+                f"Nothing was released; the engine is awake, but {RESUME_HINT}."
             ) from error
         clock.lap(f"backup ({len(to_back_up)} allocations)")
 
@@ -728,7 +733,7 @@ class GraphSleepAllocator:
             raise SleepError(
                 f"sleep failed after releasing {len(released)} of {len(to_back_up)} backed-up "
                 f"allocations: {error}. They were mapped back from their host copies; "
-                "the engine is awake."
+                f"the engine is awake, but {RESUME_HINT}."
             ) from error
 
         kept: dict[str, int] = {}

@@ -1,7 +1,8 @@
 """Patch: vllm.v1.worker.gpu_worker (Worker, get_mem_allocator_instance).
 
 vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model,
-Worker._maybe_get_memory_pool_context, Worker.wake_up, Worker.shutdown, and the
+Worker._maybe_get_memory_pool_context, Worker.sleep, Worker.wake_up,
+Worker.shutdown, and the
 module global
 get_mem_allocator_instance that it calls. Verified against vLLM 0.26.0.
 
@@ -24,6 +25,9 @@ gate is on in this worker, this patch
   survive sleep (FULL graphs read them). The KV tensors get their own
   "kv_cache" pool (v1_worker_gpu_attn_utils, v1_worker_gpu_model_runner).
   Upstream did the same in PR #59158.
+- answers a sleep that fails on this rank with a failure reply instead of
+  raising (rank_sleep.sleep_rank), so that the executor reads every rank's
+  reply and wakes the ranks that slept back up (v1_executor_abstract);
 - keeps the model buffers a level-2 sleep saved until the wake that brings
   the weights back (vLLM 0.26 copies them into the still-unmapped weights
   when "kv_cache" is woken first);
@@ -49,7 +53,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_graph_sleep import config
+from vllm_graph_sleep import config, rank_sleep
 from vllm_graph_sleep._native import host_buffer_kind
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
 from vllm_graph_sleep.allocator import (
@@ -143,6 +147,15 @@ def _wrap_compile_or_warm_up_model(original):
     return compile_or_warm_up_model
 
 
+def _wrap_sleep(original):
+    def sleep(self, *args, **kwargs):
+        if not config.is_active():
+            return original(self, *args, **kwargs)
+        return rank_sleep.sleep_rank(lambda: original(self, *args, **kwargs))
+
+    return sleep
+
+
 def _wrap_wake_up(original):
     def wake_up(self, tags=None, *args, **kwargs):
         # After a level-2 sleep, vLLM restores the model's saved buffers on any
@@ -206,6 +219,7 @@ def apply() -> None:
         where=WHERE,
     )
     wrap_function(gpu_worker.Worker, "shutdown", _wrap_shutdown, where=WHERE)
+    wrap_function(gpu_worker.Worker, "sleep", _wrap_sleep, where=WHERE)
     require(gpu_worker.Worker, "wake_up", where=WHERE, parameters=("tags",))
     wrap_function(gpu_worker.Worker, "wake_up", _wrap_wake_up, where=WHERE)
     require(gpu_worker.Worker, "_maybe_get_memory_pool_context", where=WHERE, parameters=("tag",))
