@@ -424,7 +424,21 @@ class GraphSleepAllocator:
         torch's workspaces go too: one made in this graph pool would otherwise
         outlive it, and a next engine capturing on the same (pooled) stream
         would use it from a segment nobody sleeps, or that is unmapped once
-        torch frees it."""
+        torch frees it.
+
+        An engine shut down asleep stops its settle thread and gets its stack
+        limit back here: a next engine in this process starts with the stack
+        the context had, and its first sleep lowers it again."""
+        if self._settler is not None:
+            self._settler.stop()
+        try:
+            self._restore_stack()
+        except Exception as error:
+            logger.warning(
+                "graph-sleep: at shutdown, the per-thread stack limit could not be restored (%s); "
+                "a next engine in this process starts with it lowered",
+                error,
+            )
         if self._workspace_blocks:
             outcome = self._release_blas_workspaces()
             logger.debug("graph-sleep: at shutdown, %s", outcome)

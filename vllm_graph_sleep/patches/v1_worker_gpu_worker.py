@@ -61,6 +61,7 @@ from vllm_graph_sleep.allocator import (
     KV_CACHE_TAG,
     RUNTIME_TAG,
     GraphSleepAllocator,
+    WakeUpError,
     check_switches,
     format_bytes,
 )
@@ -94,18 +95,44 @@ def orphan_leftovers(allocator: GraphSleepAllocator) -> None:
     """A new engine starts on an empty allocator (vLLM asserts it when it loads
     the weights). What an earlier engine of this process still holds (vLLM keeps
     some module-level caches, e.g. rotary tables) is set apart: never slept, not
-    counted, freed when its tensors die."""
+    counted, freed when its tensors die. If that engine was shut down asleep,
+    it is mapped back first (a reader would fault on it), from its host copy
+    where the sleep kept one; the log says which came back without."""
     if not allocator.allocations:
         return
     allocator.release_pools()
-    if allocator.allocations:
-        usage = allocator.usage_by_tag()
-        logger.warning(
-            "graph-sleep: %s of an earlier engine in this process are still referenced %s; "
-            "they stay mapped and are left out of this engine's sleep",
-            format_bytes(allocator.orphan_leftovers()),
-            {tag: format_bytes(entry["mapped"]) for tag, entry in usage.items()},
-        )
+    if not allocator.allocations:
+        return
+    usage = allocator.usage_by_tag()
+    lost = {tag: entry["dropped"] for tag, entry in usage.items() if entry["dropped"]}
+    state = ""
+    if allocator.mapped_bytes() < allocator.get_current_usage():
+        try:
+            allocator.wake_up()
+        except WakeUpError as error:
+            raise RuntimeError(
+                "graph-sleep: an earlier engine in this process was shut down asleep, and "
+                f"what it left referenced could not be mapped back: {error}. Free the device "
+                "memory held elsewhere and start the engine again, or start it in a new process."
+            ) from error
+        state = "; that engine was shut down asleep: they were mapped back from their host copies"
+        if lost:
+            state += (
+                f", except {_describe_bytes(lost)} mapped back without their contents (its sleep "
+                "dropped them; a reader gets whatever the memory holds): wake the engine before "
+                "shutting it down to keep them"
+            )
+    logger.warning(
+        "graph-sleep: %s of an earlier engine in this process are still referenced (%s)%s; "
+        "they stay mapped and are left out of this engine's sleep",
+        format_bytes(allocator.orphan_leftovers()),
+        _describe_bytes({tag: sum(entry.values()) for tag, entry in usage.items()}),
+        state,
+    )
+
+
+def _describe_bytes(per_tag: dict[str, int]) -> str:
+    return ", ".join(f"{tag} {format_bytes(size)}" for tag, size in sorted(per_tag.items()))
 
 
 def _wrap_init_device(original):
