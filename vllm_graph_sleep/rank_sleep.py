@@ -88,6 +88,12 @@ def sleep_every_rank(
     left_asleep = _failures(collective_rpc(wake_back), lambda error: error)
     what = f"sleep(level={level}) failed on {len(failed)} of {len(replies)} rank(s): "
     what += _ranks(failed)
+    if level >= 2 and len(failed) < len(replies):
+        # Level 2 keeps no copy of the weights: the ranks that slept woke without them.
+        what += (
+            ". The other ranks had dropped their weights (level 2): reload them "
+            "(reload_weights or a weight update) before serving"
+        )
     if not left_asleep:
         raise SleepError(
             f"{what}. Every rank was woken back up: the engine is awake, but {RESUME_HINT}; "

@@ -68,6 +68,11 @@ class _Broadcast:
 
 
 class _ModelRunner:
+    model = torch.nn.Module()  # no buffers for a level-2 sleep to save
+
+    def get_draft_model(self):
+        return None
+
     def reset_mm_cache(self):
         pass
 
@@ -240,3 +245,15 @@ def test_a_sleep_on_every_rank_is_recorded_as_vllm_does(engine):
     assert engine.executor.sleeping_tags == {"weights"} and engine.core.is_sleeping()
     engine.core.wake_up(["weights"])
     assert not engine.core.is_sleeping() and engine.awake(0) and engine.awake(1)
+
+
+def test_a_failed_level_2_sleep_says_the_ranks_that_slept_need_their_weights_reloaded(engine):
+    engine.drivers[1].fail("host_buffer")  # rank 1's graph-pool or runtime backup
+    with engine.allocators[1].allocation_tag("cudagraph"):
+        engine.drivers[1].malloc(PAGE)
+    with pytest.raises(SleepError) as raised:
+        engine.core.sleep(level=2)
+    assert engine.awake(0) and engine.awake(1) and not engine.executor.is_sleeping
+    assert bool((engine.drivers[1].read(engine.weights[1]) == 11).all())  # it never slept
+    message = str(raised.value)
+    assert "rank 1" in message and "dropped their weights (level 2): reload them" in message
