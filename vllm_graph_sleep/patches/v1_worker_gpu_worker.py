@@ -2,9 +2,8 @@
 
 vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model,
 Worker._maybe_get_memory_pool_context, Worker.sleep, Worker.wake_up,
-Worker.shutdown, and the
-module global
-get_mem_allocator_instance that it calls. Verified against vLLM 0.26.0.
+Worker.shutdown, and the module global get_mem_allocator_instance that it
+calls. Verified against vLLM 0.26.0.
 
 Why: vLLM 0.26 has no seam that puts graph memory under sleep mode. When the
 gate is on in this worker, this patch
@@ -97,7 +96,7 @@ def orphan_leftovers(allocator: GraphSleepAllocator) -> None:
     some module-level caches, e.g. rotary tables) is set apart: never slept, not
     counted, freed when its tensors die. If that engine was shut down asleep,
     it is mapped back first (a reader would fault on it), from its host copy
-    where the sleep kept one; the log says which came back without."""
+    where the sleep kept one; the log says what came back without its contents."""
     if not allocator.allocations:
         return
     allocator.release_pools()
