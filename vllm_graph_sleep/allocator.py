@@ -118,6 +118,11 @@ class SleepError(RuntimeError):
     """A sleep that could not back up or release its memory; nothing was released."""
 
 
+# vLLM pauses the scheduler before it sleeps the workers and resumes it only on a
+# wake (EngineCore.sleep / wake_up), also after a sleep that failed.
+RESUME_HINT = "vLLM keeps scheduling paused until POST /wake_up (LLM.wake_up() offline)"
+
+
 @dataclasses.dataclass
 class Allocation:
     device: int
@@ -419,7 +424,21 @@ class GraphSleepAllocator:
         torch's workspaces go too: one made in this graph pool would otherwise
         outlive it, and a next engine capturing on the same (pooled) stream
         would use it from a segment nobody sleeps, or that is unmapped once
-        torch frees it."""
+        torch frees it.
+
+        An engine shut down asleep stops its settle thread and gets its stack
+        limit back here: a next engine in this process starts with the stack
+        the context had, and its first sleep lowers it again."""
+        if self._settler is not None:
+            self._settler.stop()
+        try:
+            self._restore_stack()
+        except Exception as error:
+            logger.warning(
+                "graph-sleep: at shutdown, the per-thread stack limit could not be restored (%s); "
+                "a next engine in this process starts with it lowered",
+                error,
+            )
         if self._workspace_blocks:
             outcome = self._release_blas_workspaces()
             logger.debug("graph-sleep: at shutdown, %s", outcome)
@@ -713,7 +732,7 @@ class GraphSleepAllocator:
             raise SleepError(
                 f"sleep failed while backing up {len(to_back_up)} allocations "
                 f"({format_bytes(sum(a.size for a in to_back_up))}) to host memory: {error}. "
-                "Nothing was released; the engine is awake."
+                f"Nothing was released; the engine is awake, but {RESUME_HINT}."
             ) from error
         clock.lap(f"backup ({len(to_back_up)} allocations)")
 
@@ -728,7 +747,7 @@ class GraphSleepAllocator:
             raise SleepError(
                 f"sleep failed after releasing {len(released)} of {len(to_back_up)} backed-up "
                 f"allocations: {error}. They were mapped back from their host copies; "
-                "the engine is awake."
+                f"the engine is awake, but {RESUME_HINT}."
             ) from error
 
         kept: dict[str, int] = {}

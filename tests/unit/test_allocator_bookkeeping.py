@@ -486,8 +486,10 @@ def test_a_sleep_that_fails_before_dropping_anything_leaves_the_engine_awake(set
     driver, manager, addresses = setup
     awake = _state(manager)
     driver.fail(call, after)
-    with pytest.raises(SleepError, match="the engine is awake"):
+    with pytest.raises(SleepError, match="the engine is awake") as raised:
         manager.sleep(offload_tags=("weights", "cudagraph"))
+    # vLLM paused scheduling before the sleep and resumes it only on a wake.
+    assert "keeps scheduling paused until POST /wake_up" in str(raised.value)
     assert _state(manager) == awake
     assert driver.mapped_bytes() == 14 * MIB
     for tag, value in (("weights", 1), ("kv_cache", 2), ("cudagraph", 3)):

@@ -34,6 +34,7 @@ PATCHES = {
     "entrypoints_serve_dev_sleep_api_router": "vllm.entrypoints.serve.dev.sleep.api_router",
     "entrypoints_serve_dev_rpc_api_router": "vllm.entrypoints.serve.dev.rpc.api_router",
     "v1_engine_core": "vllm.v1.engine.core",
+    "v1_executor_abstract": "vllm.v1.executor.abstract",
     "v1_engine_async_llm": "vllm.v1.engine.async_llm",
     "distributed_device_communicators_custom_all_reduce": (
         "vllm.distributed.device_communicators.custom_all_reduce"

@@ -1,9 +1,9 @@
 """Patch: vllm.v1.worker.gpu_worker (Worker, get_mem_allocator_instance).
 
 vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model,
-Worker._maybe_get_memory_pool_context, Worker.wake_up, Worker.shutdown, and the
-module global
-get_mem_allocator_instance that it calls. Verified against vLLM 0.26.0.
+Worker._maybe_get_memory_pool_context, Worker.sleep, Worker.wake_up,
+Worker.shutdown, and the module global get_mem_allocator_instance that it
+calls. Verified against vLLM 0.26.0.
 
 Why: vLLM 0.26 has no seam that puts graph memory under sleep mode. When the
 gate is on in this worker, this patch
@@ -24,6 +24,9 @@ gate is on in this worker, this patch
   survive sleep (FULL graphs read them). The KV tensors get their own
   "kv_cache" pool (v1_worker_gpu_attn_utils, v1_worker_gpu_model_runner).
   Upstream did the same in PR #59158.
+- answers a sleep that fails on this rank with a failure reply instead of
+  raising (rank_sleep.sleep_rank), so that the executor reads every rank's
+  reply and wakes the ranks that slept back up (v1_executor_abstract);
 - keeps the model buffers a level-2 sleep saved until the wake that brings
   the weights back (vLLM 0.26 copies them into the still-unmapped weights
   when "kv_cache" is woken first);
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import logging
 
-from vllm_graph_sleep import config
+from vllm_graph_sleep import config, rank_sleep
 from vllm_graph_sleep._native import host_buffer_kind
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
 from vllm_graph_sleep.allocator import (
@@ -57,6 +60,7 @@ from vllm_graph_sleep.allocator import (
     KV_CACHE_TAG,
     RUNTIME_TAG,
     GraphSleepAllocator,
+    WakeUpError,
     check_switches,
     format_bytes,
 )
@@ -90,18 +94,44 @@ def orphan_leftovers(allocator: GraphSleepAllocator) -> None:
     """A new engine starts on an empty allocator (vLLM asserts it when it loads
     the weights). What an earlier engine of this process still holds (vLLM keeps
     some module-level caches, e.g. rotary tables) is set apart: never slept, not
-    counted, freed when its tensors die."""
+    counted, freed when its tensors die. If that engine was shut down asleep,
+    it is mapped back first (a reader would fault on it), from its host copy
+    where the sleep kept one; the log says what came back without its contents."""
     if not allocator.allocations:
         return
     allocator.release_pools()
-    if allocator.allocations:
-        usage = allocator.usage_by_tag()
-        logger.warning(
-            "graph-sleep: %s of an earlier engine in this process are still referenced %s; "
-            "they stay mapped and are left out of this engine's sleep",
-            format_bytes(allocator.orphan_leftovers()),
-            {tag: format_bytes(entry["mapped"]) for tag, entry in usage.items()},
-        )
+    if not allocator.allocations:
+        return
+    usage = allocator.usage_by_tag()
+    lost = {tag: entry["dropped"] for tag, entry in usage.items() if entry["dropped"]}
+    state = ""
+    if allocator.mapped_bytes() < allocator.get_current_usage():
+        try:
+            allocator.wake_up()
+        except WakeUpError as error:
+            raise RuntimeError(
+                "graph-sleep: an earlier engine in this process was shut down asleep, and "
+                f"what it left referenced could not be mapped back: {error}. Free the device "
+                "memory held elsewhere and start the engine again, or start it in a new process."
+            ) from error
+        state = "; that engine was shut down asleep: they were mapped back from their host copies"
+        if lost:
+            state += (
+                f", except {_describe_bytes(lost)} mapped back without their contents (its sleep "
+                "dropped them; a reader gets whatever the memory holds): wake the engine before "
+                "shutting it down to keep them"
+            )
+    logger.warning(
+        "graph-sleep: %s of an earlier engine in this process are still referenced (%s)%s; "
+        "they stay mapped and are left out of this engine's sleep",
+        format_bytes(allocator.orphan_leftovers()),
+        _describe_bytes({tag: sum(entry.values()) for tag, entry in usage.items()}),
+        state,
+    )
+
+
+def _describe_bytes(per_tag: dict[str, int]) -> str:
+    return ", ".join(f"{tag} {format_bytes(size)}" for tag, size in sorted(per_tag.items()))
 
 
 def _wrap_init_device(original):
@@ -141,6 +171,15 @@ def _wrap_compile_or_warm_up_model(original):
             return original(self, *args, **kwargs)
 
     return compile_or_warm_up_model
+
+
+def _wrap_sleep(original):
+    def sleep(self, *args, **kwargs):
+        if not config.is_active():
+            return original(self, *args, **kwargs)
+        return rank_sleep.sleep_rank(lambda: original(self, *args, **kwargs))
+
+    return sleep
 
 
 def _wrap_wake_up(original):
@@ -206,6 +245,7 @@ def apply() -> None:
         where=WHERE,
     )
     wrap_function(gpu_worker.Worker, "shutdown", _wrap_shutdown, where=WHERE)
+    wrap_function(gpu_worker.Worker, "sleep", _wrap_sleep, where=WHERE)
     require(gpu_worker.Worker, "wake_up", where=WHERE, parameters=("tags",))
     wrap_function(gpu_worker.Worker, "wake_up", _wrap_wake_up, where=WHERE)
     require(gpu_worker.Worker, "_maybe_get_memory_pool_context", where=WHERE, parameters=("tag",))

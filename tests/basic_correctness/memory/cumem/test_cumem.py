@@ -870,6 +870,47 @@ def test_sleep_releases_the_stack_reservation_and_graphs_replay_after_wake():
 
 
 @fresh_process
+def test_an_engine_shut_down_asleep_leaves_the_next_one_its_stack_and_its_leftovers_mapped():
+    """Issue 34, item 3: shutdown while asleep gives the stack limit back and
+    stops the settle thread; what the engine left referenced (as vLLM's rotary
+    caches are) is mapped back with its contents when the next engine starts,
+    whose first sleep lowers the stack again and whose graphs replay."""
+    from vllm_graph_sleep.patches.v1_worker_gpu_worker import orphan_leftovers
+
+    alloc = manager()
+    driver = alloc._driver
+    device = torch.cuda.current_device()
+    limit = driver.stack_limit(device)
+    with alloc.use_memory_pool("weights"):
+        rope = torch.full((MIB,), 7.0, device="cuda")
+        dead = torch.ones(64 * MIB, dtype=torch.uint8, device="cuda")
+    alloc.sleep(offload_tags=("weights",))
+    assert driver.stack_limit(device) == 0
+    alloc.release_pools()  # Worker.shutdown, asleep
+    del dead
+    assert driver.stack_limit(device) == limit
+    assert not [t for t in threading.enumerate() if t.name == "graph-sleep-settle"]
+
+    orphan_leftovers(alloc)  # the next engine's init_device
+    assert float(rope.sum()) == 7.0 * MIB
+    with alloc.use_memory_pool("weights"):
+        weights = torch.full((MIB,), 2.0, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id):
+        out = weights * rope
+    torch.cuda.synchronize()
+    alloc.sleep(offload_tags=("weights", GRAPH_TAG))
+    assert driver.stack_limit(device) == 0, "the next engine's first sleep kept the stack"
+    assert float(rope.sum()) == 7.0 * MIB  # set apart: its sleeps leave it mapped
+    alloc.wake_up()
+    assert driver.stack_limit(device) == limit
+    weights.fill_(3.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((out == 21.0).all())
+
+
+@fresh_process
 def test_the_driver_probe_maps_nothing_for_good_and_a_sleep_makes_it_from_its_thread(caplog):
     """probe_mapping gives back all it maps, also from a thread that never
     touched the device; after a sleep the allocator's thread probes twice and

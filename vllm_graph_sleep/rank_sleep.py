@@ -1,0 +1,107 @@
+"""A sleep that every rank of an engine takes, or none takes.
+
+vLLM 0.26's `Executor.sleep` sends "sleep" to every worker and records the
+engine asleep only when no worker raised. With more than one rank (TP, PP) one
+rank can fail after others slept (host memory for the pinned backups is shared
+by the node), and then
+- the executor records the engine awake while the other ranks are asleep:
+  `POST /wake_up` answers "Executor is not sleeping" without reaching them, but
+  resumes the scheduler, and the next step replays on their unmapped weights;
+- `MultiprocExecutor.collective_rpc` raises at the first failed reply without
+  reading the later ranks' replies, so every later call reads the reply meant
+  for the call before it.
+
+So a worker answers a sleep it could not complete with a `RankSleepFailure`
+reply instead of raising (`sleep_rank`): every rank's reply is read.
+`sleep_every_rank` then wakes every rank back up (`wake_back`, which answers
+the same way) and raises `SleepError`: the engine is awake on every rank. If a
+rank cannot be woken back up, the engine is recorded asleep, so that the next
+wake reaches every rank. Either way vLLM keeps scheduling paused (it paused
+before the sleep) until `POST /wake_up` or `LLM.wake_up()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from vllm_graph_sleep.allocator import RESUME_HINT, SleepError
+
+logger = logging.getLogger("vllm.graph_sleep")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSleepFailure:
+    """A worker's reply to a sleep it could not complete (it did not raise)."""
+
+    error: str
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def sleep_rank(sleep: Callable[[], Any]) -> RankSleepFailure | None:
+    """Runs this rank's sleep; a failure is answered, not raised."""
+    try:
+        sleep()
+    except Exception as error:
+        logger.exception("graph-sleep: this rank could not sleep; every rank is woken back up")
+        return RankSleepFailure(_describe(error))
+    return None
+
+
+def wake_back(worker: Any) -> str | None:
+    """Run on every rank (collective_rpc) after a failed sleep: wakes this
+    rank's memory, a no-op where nothing sleeps, and answers what failed
+    instead of raising."""
+    try:
+        worker.wake_up(None)
+    except Exception as error:
+        logger.exception("graph-sleep: this rank could not be woken back up after a failed sleep")
+        return _describe(error)
+    return None
+
+
+def _failures(replies: list[Any], failed: Callable[[Any], str | None]) -> dict[int, str]:
+    # collective_rpc answers in rank order.
+    return {rank: error for rank, reply in enumerate(replies) if (error := failed(reply))}
+
+
+def _ranks(failures: dict[int, str]) -> str:
+    return "; ".join(f"rank {rank}: {error}" for rank, error in failures.items())
+
+
+def sleep_every_rank(
+    collective_rpc: Callable[..., list[Any]], level: int, record_asleep: Callable[[], None]
+) -> None:
+    """Sends "sleep" to every rank and reads every reply. All slept: records
+    the engine asleep. Otherwise every rank is woken back up and SleepError is
+    raised; a rank that cannot be woken back leaves the engine recorded asleep."""
+    replies = collective_rpc("sleep", kwargs={"level": level})
+    failed = _failures(replies, lambda r: r.error if isinstance(r, RankSleepFailure) else None)
+    if not failed:
+        record_asleep()
+        return
+    left_asleep = _failures(collective_rpc(wake_back), lambda error: error)
+    what = f"sleep(level={level}) failed on {len(failed)} of {len(replies)} rank(s): "
+    what += _ranks(failed)
+    if level >= 2 and len(failed) < len(replies):
+        # Level 2 keeps no copy of the weights: the ranks that slept woke without them.
+        what += (
+            ". The other ranks had dropped their weights (level 2): reload them "
+            "(reload_weights or a weight update) before serving"
+        )
+    if not left_asleep:
+        raise SleepError(
+            f"{what}. Every rank was woken back up: the engine is awake, but {RESUME_HINT}; "
+            "the sleep can be retried."
+        )
+    record_asleep()
+    raise SleepError(
+        f"{what}. And {len(left_asleep)} rank(s) could not be woken back up: "
+        f"{_ranks(left_asleep)}. The engine is recorded asleep: {RESUME_HINT}, which wakes "
+        "every rank."
+    )
