@@ -82,6 +82,20 @@ class NvmlMemory:
         with self._lock:
             return [int(self._nvml.nvmlDeviceGetMemoryInfo(h).used) for h in self._handles]
 
+    def compute_processes(self) -> list[list[tuple[int, int | None]]]:
+        """Per GPU, (pid, used bytes or None) of every process holding a compute
+        context on it, as NVML lists them (pids of the driver's pid namespace,
+        which in a container may not be this one's)."""
+        nvml = self._nvml
+        with self._lock:
+            return [
+                [
+                    (int(p.pid), p.usedGpuMemory)
+                    for p in nvml.nvmlDeviceGetComputeRunningProcesses(h)
+                ]
+                for h in self._handles
+            ]
+
     def driver_version(self) -> str:
         version = self._nvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else str(version)
