@@ -140,11 +140,14 @@ def tree_pids(pid: int) -> list[int]:
 
 def gpu_processes(memory) -> list[dict[str, Any]]:
     """NVML's compute processes on the measured GPU (empty where the memory
-    source cannot list them)."""
+    source cannot list them; one {"error"} entry where NVML refused)."""
     listing = getattr(memory, "compute_processes", None)
     if listing is None:
         return []
-    return [{"pid": pid, "used_bytes": used} for pid, used in listing()[0]]
+    try:
+        return [{"pid": pid, "used_bytes": used} for pid, used in listing()[0]]
+    except Exception as error:  # NVML's own errors; the run goes on without the list
+        return [{"error": f"{type(error).__name__}: {error}"}]
 
 
 def server_groups(configs: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -182,38 +185,100 @@ class Budget:
         return self._clock() + seconds <= end
 
 
+class DriverCallHung(DriverCallError):
+    """A driver call that had not returned after the call timeout."""
+
+    def __init__(self, call: str, pid: int, seconds: float):
+        super().__init__(call, pid, -2, "NO_ANSWER", f"no answer after {seconds:.0f} s")
+
+
 class Targets:
     """The processes checkpointed together: all locked before any is
-    checkpointed, all restored before any is unlocked."""
+    checkpointed, all restored before any is unlocked.
 
-    def __init__(self, driver: CheckpointDriver, pids: Sequence[int], lock_timeout_ms: int):
+    Every driver call runs in a thread of its own and is given up on after
+    `call_timeout_s` (DriverCallHung): a call that never returns must not keep
+    this process from writing what it found, nor from stopping the server.
+    After one hung, the driver is not called again."""
+
+    def __init__(
+        self,
+        driver: CheckpointDriver,
+        pids: Sequence[int],
+        lock_timeout_ms: int,
+        call_timeout_s: float,
+    ):
         self.driver = driver
         self.pids = list(pids)
         self.lock_timeout_ms = lock_timeout_ms
+        self.call_timeout_s = call_timeout_s
         self.step = "not started"
+        self.hung = False
 
-    def _each(self, step: str, call: Callable[[int], float]) -> float:
+    def call(self, name: str, function: Callable[[int], Any], pid: int) -> Any:
+        if self.hung:
+            raise DriverCallHung(name, pid, self.call_timeout_s)
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = function(pid)
+            except BaseException as error:  # handed to the caller's thread
+                box["error"] = error
+
+        thread = threading.Thread(target=target, name=f"driver {name}", daemon=True)
+        thread.start()
+        thread.join(self.call_timeout_s)
+        if thread.is_alive():
+            self.hung = True
+            raise DriverCallHung(name, pid, self.call_timeout_s)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _each(self, step: str, name: str, function: Callable[[int], float]) -> float:
         total = 0.0
         for pid in self.pids:
             self.step = f"{step} pid {pid}"
-            total += call(pid)
+            total += self.call(name, function, pid)
         return total
 
     def checkpoint(self) -> dict[str, float]:
-        lock_s = self._each("lock", lambda pid: self.driver.lock(pid, self.lock_timeout_ms))
-        checkpoint_s = self._each("checkpoint", self.driver.checkpoint)
+        lock_s = self._each(
+            "lock",
+            "cuCheckpointProcessLock",
+            lambda pid: self.driver.lock(pid, self.lock_timeout_ms),
+        )
+        checkpoint_s = self._each(
+            "checkpoint", "cuCheckpointProcessCheckpoint", self.driver.checkpoint
+        )
         return {"lock_s": round(lock_s, 4), "checkpoint_s": round(checkpoint_s, 4)}
 
     def restore(self) -> dict[str, float]:
-        restore_s = self._each("restore", self.driver.restore)
-        unlock_s = self._each("unlock", self.driver.unlock)
+        restore_s = self._each("restore", "cuCheckpointProcessRestore", self.driver.restore)
+        unlock_s = self._each("unlock", "cuCheckpointProcessUnlock", self.driver.unlock)
         return {"restore_s": round(restore_s, 4), "unlock_s": round(unlock_s, 4)}
+
+    def state(self, pid: int) -> str:
+        return self.call("cuCheckpointProcessGetState", self.driver.state, pid)
+
+    def restore_thread_ids(self) -> dict[str, Any]:
+        """Informative only: a refusal here is recorded, not raised."""
+        out: dict[str, Any] = {}
+        for pid in self.pids:
+            try:
+                out[str(pid)] = self.call(
+                    "cuCheckpointProcessGetRestoreThreadId", self.driver.restore_thread_id, pid
+                )
+            except DriverCallError as error:
+                out[str(pid)] = error.evidence()
+        return out
 
     def states(self) -> dict[str, str]:
         out = {}
         for pid in self.pids:
             try:
-                out[str(pid)] = self.driver.state(pid)
+                out[str(pid)] = self.state(pid)
             except DriverCallError as error:
                 out[str(pid)] = f"unknown: {error}"
         return out
@@ -226,14 +291,14 @@ class Targets:
         restore what is checkpointed, unlock what is locked. What it did."""
         actions: list[dict[str, Any]] = []
         for pid in self.pids:
-            for want, call in (
-                ("checkpointed", self.driver.restore),
-                ("locked", self.driver.unlock),
+            for want, name, function in (
+                ("checkpointed", "cuCheckpointProcessRestore", self.driver.restore),
+                ("locked", "cuCheckpointProcessUnlock", self.driver.unlock),
             ):
                 try:
-                    if self.driver.state(pid) != want:
+                    if self.state(pid) != want:
                         continue
-                    call(pid)
+                    self.call(name, function, pid)
                     actions.append({"pid": pid, "from": want, "ok": True})
                 except DriverCallError as error:
                     actions.append({"pid": pid, "from": want, "ok": False, **error.evidence()})
@@ -302,6 +367,7 @@ def probe(
     holder_command: list[str],
     idle: int,
     lock_timeout_ms: int,
+    call_timeout_s: float,
     progress: Progress,
 ) -> dict[str, Any]:
     """A child holding a bare CUDA context, through one checkpoint and restore."""
@@ -318,7 +384,7 @@ def probe(
         text=True,
         errors="replace",
     )
-    targets = Targets(driver, [child.pid], lock_timeout_ms)
+    targets = Targets(driver, [child.pid], lock_timeout_ms, call_timeout_s)
     step = "start the holder"
     try:
         reader = LineReader(child)
@@ -328,18 +394,15 @@ def probe(
         result["over_idle_mib"] = over_idle_mib(result["used_bytes"], idle)
         result["gpu_processes"] = gpu_processes(memory)
         # False in a container whose pid namespace is not the driver's.
-        result["nvml_lists_the_pid"] = child.pid in [p["pid"] for p in result["gpu_processes"]]
+        result["nvml_lists_the_pid"] = child.pid in [p.get("pid") for p in result["gpu_processes"]]
         step = "first checkpoint call about the holder"
         result["controller_cuinit"] = prepare_controller(driver, child.pid)
-        result["state_before"] = driver.state(child.pid)
+        result["state_before"] = targets.state(child.pid)
         result["rss_before_bytes"] = rss([child.pid])[str(child.pid)]
         step = "lock and checkpoint"
         result.update(targets.checkpoint())
-        result["state_checkpointed"] = driver.state(child.pid)
-        try:
-            result["restore_thread_id"] = driver.restore_thread_id(child.pid)
-        except DriverCallError as error:  # informative only
-            result["restore_thread_id_error"] = error.evidence()
+        result["state_checkpointed"] = targets.state(child.pid)
+        result["restore_thread_id"] = targets.restore_thread_ids()[str(child.pid)]
         result["checkpointed_used_bytes"] = settle(memory)[0]
         result["checkpointed_over_idle_mib"] = over_idle_mib(
             result["checkpointed_used_bytes"], idle
@@ -348,7 +411,7 @@ def probe(
         result["rss_checkpointed_bytes"] = rss([child.pid])[str(child.pid)]
         step = "restore and unlock"
         result.update(targets.restore())
-        result["state_after"] = driver.state(child.pid)
+        result["state_after"] = targets.state(child.pid)
         result["restored_used_bytes"] = settle(memory)[0]
         step = "check the holder's buffer"
         assert child.stdin is not None
@@ -388,7 +451,7 @@ def find_targets(memory, server_pid: int, driver: CheckpointDriver) -> dict[str,
     in the tree), the tree's processes the checkpoint API knows as CUDA processes."""
     tree = tree_pids(server_pid)
     listed = gpu_processes(memory)
-    in_tree = sorted({p["pid"] for p in listed} & set(tree))
+    in_tree = sorted({p["pid"] for p in listed if "pid" in p} & set(tree))
     found: dict[str, Any] = {"tree": tree, "gpu_processes": listed}
     if in_tree:
         found.update(pids=in_tree, source="nvml")
@@ -439,9 +502,7 @@ def cycle(
     targets.step = "read while checkpointed"
     record["states_checkpointed"] = targets.states()
     if number == 1:
-        record["restore_thread_ids"] = {
-            str(pid): targets.driver.restore_thread_id(pid) for pid in targets.pids
-        }
+        record["restore_thread_ids"] = targets.restore_thread_ids()
     record["checkpointed_used_bytes"] = settle(memory)[0]
     record["checkpointed_over_idle_mib"] = over_idle_mib(record["checkpointed_used_bytes"], idle)
     record["gpu_processes_checkpointed"] = gpu_processes(memory)
@@ -585,7 +646,7 @@ def run_engine(
         for name in names:
             run.results["configs"][name]["stopped"] = engine["error"]
         return
-    targets = Targets(driver, found["pids"], args.lock_timeout_ms)
+    targets = Targets(driver, found["pids"], args.lock_timeout_ms, args.call_timeout_s)
     run.targets = targets
     run.write()
     later_configs = sum(len(group) for _, group in later)
@@ -684,14 +745,23 @@ def run(
                 results["stopped_early"] = f"libcuda lacks {driver.missing} (driver before 570?)"
                 return results
             results["probe"] = probe(
-                driver, memory, holder_command, idle, args.lock_timeout_ms, progress
+                driver,
+                memory,
+                holder_command,
+                idle,
+                args.lock_timeout_ms,
+                args.call_timeout_s,
+                progress,
             )
             results["controller"]["cuinit"] = results["probe"].get("controller_cuinit")
             if results["probe"].get("refusal"):
+                # The driver refused a bare context: an engine would be refused too.
                 results["refusals"].append(results["probe"]["refusal"])
-            if not results["probe"]["ok"]:
-                results["stopped_early"] = "the probe failed: no engine started"
+                results["stopped_early"] = "the driver refused the probe: no engine started"
                 return results
+            if results["probe"].get("error"):
+                # The holder itself failed (not the driver): the engines still tell.
+                progress("the probe's holder failed; going on with the engines")
             state.write()
             if args.floor:
                 results["floor"] = floor.measure(memory, timeout=60)
@@ -735,6 +805,7 @@ def ok(results: dict[str, Any]) -> bool:
     return (
         results.get("stopped_early") is None
         and "error" not in results
+        and (results.get("probe") or {}).get("ok") is True
         and not results.get("refusals")
         and all(
             c.get("summary", {}).get("all_exact") and "stopped" not in c and "refusal" not in c
@@ -834,8 +905,9 @@ def hold_context() -> int:
     call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device)
     call("cuCtxSetCurrent", context)
     call("cuMemAlloc_v2", ctypes.byref(pointer), ctypes.c_size_t(HOLDER_BUFFER_BYTES))
+    # The memset may still run when HOLDING is printed: the lock waits for it, and
+    # the check's copy (same stream) comes after it.
     call("cuMemsetD32_v2", pointer, ctypes.c_uint(HOLDER_MAGIC), ctypes.c_size_t(words))
-    call("cuCtxSynchronize")
     print(HOLDING, flush=True)
     for line in sys.stdin:
         if line.strip() == CHECK:
@@ -897,6 +969,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="seconds an engine start is planned at until one was measured",
     )
     parser.add_argument("--lock-timeout-ms", type=int, default=10000)
+    parser.add_argument(
+        "--call-timeout-s",
+        type=float,
+        default=120.0,
+        help="a driver call not back after this long is recorded as hung (NO_ANSWER)",
+    )
     parser.add_argument("--model", help="a local model directory (default: make --model-kind)")
     parser.add_argument("--model-kind", default="llama")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)

@@ -15,6 +15,7 @@ as the checkpoint API answers for a process without CUDA.
 from __future__ import annotations
 
 import ctypes
+import time
 
 import psutil
 
@@ -72,10 +73,13 @@ class FakeLibcuda:
         needs_init: bool = False,
         without: tuple[str, ...] = (),
         version: int = 13000,
+        hang_s: dict[str, float] | None = None,
     ):
         """`refuse`: call name -> CUresult it answers (for `refuse_pids` only, when
         given); `needs_init`: the checkpoint calls answer NOT_INITIALIZED until
-        cuInit; `without`: entry points the library lacks (an old driver)."""
+        cuInit; `without`: entry points the library lacks (an old driver);
+        `hang_s`: call name -> seconds it takes before answering (for the pids
+        `refuse_pids` names, when given)."""
         self.refuse = refuse or {}
         self.refuse_pids = refuse_pids
         self.initialized = not needs_init
@@ -84,6 +88,7 @@ class FakeLibcuda:
         self.calls: list[tuple[str, int | None]] = []
         self.lock_args: list[bytes] = []
         self.without = set(without)
+        self.hang_s = hang_s or {}
         for name, (struct, need, leave) in TRANSITIONS.items():
             setattr(self, name, self._transition(name, struct, need, leave))
         # Plain functions, as a CDLL's are: the binding sets argtypes on them.
@@ -108,6 +113,9 @@ class FakeLibcuda:
         return self.states.get(pid, "running")
 
     def _refused(self, call: str, pid: int) -> int | None:
+        targeted = self.refuse_pids is None or pid in self.refuse_pids
+        if call in self.hang_s and targeted:
+            time.sleep(self.hang_s[call])
         if call in self.refuse and (self.refuse_pids is None or pid in self.refuse_pids):
             return self.refuse[call]
         if not self.initialized:

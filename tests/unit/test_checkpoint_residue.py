@@ -134,7 +134,7 @@ def test_the_controller_calls_cuinit_only_when_the_driver_asks(holder):
 
 def test_recovery_unlocks_a_process_whose_checkpoint_was_refused(holder):
     lib = FakeLibcuda(refuse={"cuCheckpointProcessCheckpoint": 801})
-    targets = bench.Targets(CheckpointDriver(lib), [holder], 1000)
+    targets = bench.Targets(CheckpointDriver(lib), [holder], 1000, call_timeout_s=10)
     with pytest.raises(DriverCallError):
         targets.checkpoint()
     assert targets.step == f"checkpoint pid {holder}"
@@ -340,8 +340,48 @@ def test_a_refused_probe_stops_before_any_engine_starts(tmp_path):
     assert results["ok"] is False and results["engines"] == []
     assert results["probe"]["refusal"]["call"] == "cuCheckpointProcessLock"
     assert results["probe"]["refusal"]["where"].startswith("probe: lock and checkpoint")
-    assert results["stopped_early"] == "the probe failed: no engine started"
+    assert results["stopped_early"] == "the driver refused the probe: no engine started"
     assert harness.written()["refusals"] == [results["probe"]["refusal"]]
+
+
+def test_a_holder_that_fails_does_not_keep_the_engines_from_running(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_HOLDER_BAD", "1")
+    harness = Harness(tmp_path, FakeLibcuda())
+    results = harness.run("--configs", "ours_l1", "--cycles", "1")
+    assert results["probe"]["buffer_intact"] is False and results["probe"]["ok"] is False
+    assert results["configs"]["ours_l1"]["summary"]["all_exact"] is True
+    assert results["ok"] is False  # the probe's buffer did not survive
+
+
+def test_a_driver_call_that_never_answers_is_recorded_and_the_server_still_stops(
+    tmp_path, monkeypatch
+):
+    lib = FakeLibcuda(hang_s={"cuCheckpointProcessCheckpoint": 4.0}, refuse_pids=set())
+    harness = Harness(tmp_path, lib)
+    original = bench.find_targets
+
+    def targets_hang(memory, server_pid, driver):
+        found = original(memory, server_pid, driver)
+        lib.refuse_pids.update(found["pids"])
+        return found
+
+    monkeypatch.setattr(bench, "find_targets", targets_hang)
+    started = time.monotonic()
+    results = harness.run(
+        "--configs", "ours_l1", "checkpoint_only", "--cycles", "2", "--call-timeout-s", "1"
+    )
+    assert time.monotonic() - started < 30
+    refused = results["configs"]["ours_l1"]["refusal"]
+    assert (refused["call"], refused["result"], refused["name"]) == (
+        "cuCheckpointProcessCheckpoint",
+        -2,
+        "NO_ANSWER",
+    )
+    # The driver is not called again: the engine is given up and stopped.
+    assert results["engines"][0]["error"].startswith("the processes could not be brought back")
+    assert results["configs"]["checkpoint_only"]["stopped"] == results["engines"][0]["error"]
+    assert results["engines"][0]["exit_code"] is not None
+    assert results["ok"] is False
 
 
 def test_cycles_stop_at_the_configs_share_of_the_time_limit(tmp_path):
