@@ -116,6 +116,13 @@ def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
 def rss(pids: Sequence[int]) -> dict[str, int | None]:
     import psutil
 
@@ -399,6 +406,7 @@ def probe(
         result["controller_cuinit"] = prepare_controller(driver, child.pid)
         result["state_before"] = targets.state(child.pid)
         result["rss_before_bytes"] = rss([child.pid])[str(child.pid)]
+        result["helper"] = helper_round_trip(child.pid)
         step = "lock and checkpoint"
         result.update(targets.checkpoint())
         result["state_checkpointed"] = targets.state(child.pid)
@@ -443,6 +451,35 @@ def probe(
             child.kill()
             child.wait()
     return result
+
+
+#: A short-lived helper's whole job for one call: start Python, load libcuda, ask.
+HELPER_CODE = """
+import ctypes, sys
+lib = ctypes.CDLL("libcuda.so.1")
+state = ctypes.c_int()
+result = lib.cuCheckpointProcessGetState(int(sys.argv[1]), ctypes.byref(state))
+print(result, state.value)
+"""
+
+
+def helper_round_trip(pid: int) -> dict[str, Any]:
+    """What a controller started per call (as vllm-project/vllm#56373's helper is)
+    costs over one kept running: a new Python that loads libcuda and asks one
+    checkpoint call, start to answer."""
+    started = time.perf_counter()
+    answer = subprocess.run(
+        [sys.executable, "-c", HELPER_CODE, str(pid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = (answer.stdout or answer.stderr).strip().splitlines()
+    return {
+        "seconds": round(time.perf_counter() - started, 4),
+        "exit_code": answer.returncode,
+        "answer": lines[-1] if lines else "",
+    }
 
 
 def find_targets(memory, server_pid: int, driver: CheckpointDriver) -> dict[str, Any]:
@@ -505,6 +542,10 @@ def cycle(
         record["restore_thread_ids"] = targets.restore_thread_ids()
     record["checkpointed_used_bytes"] = settle(memory)[0]
     record["checkpointed_over_idle_mib"] = over_idle_mib(record["checkpointed_used_bytes"], idle)
+    # What the restore will need free on the GPU (step 2 checks for it first).
+    record["released_mib"] = over_idle_mib(
+        record["before_used_bytes"], record["checkpointed_used_bytes"]
+    )
     record["gpu_processes_checkpointed"] = gpu_processes(memory)
     record["rss_checkpointed_bytes"] = rss(targets.pids)
     before = sum(v or 0 for v in record["rss_before_bytes"].values())
@@ -550,6 +591,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         "restore_and_unlock_s": lambda r: r["restore_s"] + r["unlock_s"],
         "wake_s": None,
         "restore_to_awake_s": None,
+        "released_mib": None,
         "host_rss_held_mib": None,
         "mem_available_drop_mib": None,
     }
@@ -720,7 +762,14 @@ def run(
         prompts=list(PROMPTS),
         controller={
             "pid": os.getpid(),
+            "uid": os.getuid(),
             "what": "this script, a process outside the server's tree holding no CUDA context",
+            # Conditions a refusal may come from: who may act on another process,
+            # and whether the driver stays loaded without a client.
+            "ptrace_scope": read_text(Path("/proc/sys/kernel/yama/ptrace_scope")),
+            "persistence_mode": (
+                memory.persistence_modes() if hasattr(memory, "persistence_modes") else None
+            ),
         },
         configs={
             name: {"server": CONFIGS[name][0], "level": CONFIGS[name][1], "cycles": []}
@@ -940,7 +989,7 @@ class TeeProgress:
     def __init__(self, log: Path):
         self.started = time.monotonic()
         log.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log, "a", buffering=1)  # noqa: SIM115 (open for the whole run)
+        self._log = open(log, "a", buffering=1)  # open for the whole run
 
     def __call__(self, text: str) -> None:
         line = f"[{time.monotonic() - self.started:7.1f}s] {text}"
@@ -992,6 +1041,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.hold_context and args.out is None:
         parser.error("--out is required")
+    if len(set(args.configs)) != len(args.configs):
+        parser.error(f"--configs names a configuration twice: {args.configs}")
     if args.cycles < 1 or args.time_limit <= 0:
         parser.error("--cycles must be at least 1 and --time-limit positive")
     return args

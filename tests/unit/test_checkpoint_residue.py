@@ -153,6 +153,12 @@ def test_servers_start_once_each_in_the_order_their_first_config_appears():
     ]
 
 
+def test_a_config_named_twice_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(tmp_path), "--configs", "ours_l1", "ours_l1"])
+    assert "twice" in capsys.readouterr().err
+
+
 def test_budget_shares_what_is_left_after_the_reserved_starts():
     now = [100.0]
     budget = bench.Budget(200.0, clock=lambda: now[0])
@@ -274,6 +280,8 @@ def test_every_config_runs_its_cycles_and_the_json_holds_the_figures(tmp_path):
     assert probe["over_idle_mib"] == 300.0 and probe["checkpointed_over_idle_mib"] == 0.0
     assert probe["state_checkpointed"] == "checkpointed" and probe["state_after"] == "running"
     assert probe["controller_cuinit"] is False
+    # A helper started per call: timed from start to answer (here without libcuda).
+    assert probe["helper"]["seconds"] > 0 and probe["helper"]["exit_code"] is not None
     # One engine per server, in order; each checkpointed the server's process.
     assert [e["server"] for e in results["engines"]] == ["ours", "stock"]
     for engine in results["engines"]:
@@ -288,6 +296,7 @@ def test_every_config_runs_its_cycles_and_the_json_holds_the_figures(tmp_path):
         for record in configs[name]["cycles"]:
             assert record["before_over_idle_mib"] == before_mib, (name, record)
             assert record["checkpointed_over_idle_mib"] == 0.0
+            assert record["released_mib"] == before_mib
             assert record["gpu_processes_checkpointed"] == []
             assert record["exact"] is True
             assert set(record["states_checkpointed"].values()) == {"checkpointed"}
@@ -452,3 +461,38 @@ def test_without_gpu_exit_2_with_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "nothing to run" in lines[0], result.stderr
     assert not (tmp_path / bench.RESULTS_JSON).exists()
+
+
+def test_nvml_lists_context_holders_and_persistence_mode(monkeypatch):
+    """NvmlMemory's two queries the benchmark reads, against a stand-in pynvml
+    module with NVML's calls and errors."""
+    import types
+
+    from vllm_graph_sleep.bench import gpu
+
+    class NVMLError(Exception):
+        pass
+
+    handles = {0: "gpu0", 1: "gpu1"}
+    nvml = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        NVML_FEATURE_ENABLED=1,
+        nvmlInit=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=handles.__getitem__,
+        nvmlDeviceGetName=lambda handle: b"Fake H200",
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: (
+            [types.SimpleNamespace(pid=41, usedGpuMemory=500 * MiB)]
+            + [types.SimpleNamespace(pid=42, usedGpuMemory=None)]
+            if handle == "gpu1"
+            else []
+        ),
+        nvmlDeviceGetPersistenceMode=lambda handle: (
+            1 if handle == "gpu1" else (_ for _ in ()).throw(NVMLError("Not Supported"))
+        ),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    memory = gpu.NvmlMemory(2)
+    assert memory.compute_processes() == [[(41, 500 * MiB), (42, None)], []]
+    assert memory.persistence_modes() == [True, None]

@@ -96,6 +96,21 @@ class NvmlMemory:
                 for h in self._handles
             ]
 
+    def persistence_modes(self) -> list[bool | None]:
+        """Per GPU, whether the driver's persistence mode is on (None where NVML
+        cannot say)."""
+        nvml = self._nvml
+        modes: list[bool | None] = []
+        with self._lock:
+            for handle in self._handles:
+                try:
+                    modes.append(
+                        nvml.nvmlDeviceGetPersistenceMode(handle) == nvml.NVML_FEATURE_ENABLED
+                    )
+                except nvml.NVMLError:
+                    modes.append(None)
+        return modes
+
     def driver_version(self) -> str:
         version = self._nvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else str(version)
