@@ -7,10 +7,14 @@ NVML's used memory and the processes' host memory while they are checkpointed,
 restores and unlocks them, wakes the engine and checks its greedy tokens against
 those of before the first sleep, for --cycles cycles. With TP=1, vLLM 0.26 runs
 the worker inside the engine core process (the uni executor), so the engine core
-is the process checkpointed; the API server holds no context (NVML's process
-list, recorded, says which processes do). The controller has to be another
-process than the one it checkpoints: the driver API acts on a target pid, and the
-target's own CUDA calls block while it is locked.
+is the process to checkpoint; which processes hold a context is not assumed:
+every process of the server's tree that NVML lists on the GPU is checkpointed
+(where NVML's pids are of another pid namespace, every one the checkpoint API
+knows as a CUDA process), the API server too if it held one. The controller has
+to be another process than the one it checkpoints: the driver API acts on a
+target pid, and the target's own CUDA calls block while it is locked; this
+script is the small helper process of that design, kept running for the whole
+run (the probe times what one started per call would add).
 
 Configurations (--configs, in the order given; those on the same server share one
 engine start, servers start in the order their first configuration appears):
@@ -33,8 +37,10 @@ probe stops the run before any engine starts.
 --time-limit bounds the whole run: each configuration gets a share of what is left
 (after the engine starts still to come) and stops between cycles when the next one
 would pass it; at the limit itself, whatever is running is interrupted, the
-processes are brought back and the server stopped. results.json is rewritten after
-every cycle, so a run cut short keeps what it measured.
+processes are brought back and the server stopped. A driver call that has not
+answered after --call-timeout-s is recorded as hung (NO_ANSWER) and the engine
+given up. results.json is rewritten after every cycle, so a run cut short keeps
+what it measured; run.log has the progress lines, server-*.log the servers' logs.
 
     python benchmarks/checkpoint_residue.py --out bench-results/checkpoint \\
         --configs ours_l1 checkpoint_only ours_l2 stock_l1 --cycles 10 --time-limit 240

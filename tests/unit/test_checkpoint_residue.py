@@ -496,3 +496,31 @@ def test_nvml_lists_context_holders_and_persistence_mode(monkeypatch):
     memory = gpu.NvmlMemory(2)
     assert memory.compute_processes() == [[(41, 500 * MiB), (42, None)], []]
     assert memory.persistence_modes() == [True, None]
+
+
+def test_main_wires_the_real_pieces_and_prints_the_table(tmp_path, monkeypatch, capsys):
+    """main() as the lead runs it, with NVML, libcuda and vllm serve replaced by
+    the fakes: model directory check, run.log, the table, the exit status."""
+    from vllm_graph_sleep.bench import gpu
+
+    lib = FakeLibcuda()
+    harness = Harness(tmp_path, lib)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    monkeypatch.setattr(gpu, "NvmlMemory", lambda count: harness.memory)
+    monkeypatch.setattr(CheckpointDriver, "load", classmethod(lambda cls: cls(lib)))
+    monkeypatch.setattr(bench, "real_command", lambda args, model: harness.command_for)
+    monkeypatch.setattr(
+        bench,
+        "holder_command",
+        lambda: [sys.executable, str(FAKE_HOLDER), bench.HOLDING, bench.CHECK],
+    )
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--model", str(model), "--no-floor", "--cycles", "1"]
+    assert bench.main([*argv, "--start-estimate", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "ours_l1" in printed and "checkpoint_only" in printed
+    assert f"results: {out / bench.RESULTS_JSON}" in printed
+    assert "ours_l1 1/1" in (out / bench.RUN_LOG).read_text()
+    assert json.loads((out / bench.RESULTS_JSON).read_text())["settings"]["model"] == str(model)
