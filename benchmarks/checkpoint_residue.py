@@ -175,10 +175,16 @@ def server_groups(configs: Sequence[str]) -> list[tuple[str, list[str]]]:
 class Budget:
     """The run's time: the limit, and each configuration's share of what is left."""
 
-    def __init__(self, limit_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        limit_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        started: float | None = None,
+    ):
+        """`started`: when the limit began, on `clock` (default: now)."""
         self.limit_s = limit_s
         self._clock = clock
-        self.deadline = clock() + limit_s
+        self.deadline = (clock() if started is None else started) + limit_s
         self.stop_reserve_s = min(STOP_RESERVE_S, limit_s / 10)
         self.cycle_guess_s = min(FIRST_CYCLE_GUESS_S, limit_s / 20)
 
@@ -513,6 +519,14 @@ def find_targets(memory, server_pid: int, driver: CheckpointDriver) -> dict[str,
     return found
 
 
+def worker_report(client) -> dict[str, Any]:
+    """The worker's memory report (vllm_graph_sleep.probe), or why there is none."""
+    try:
+        return client.memory_report()[0]
+    except (ServerError, IndexError) as error:
+        return {"error": str(error)}
+
+
 def wake(client, level: int | None) -> None:
     if level is None:
         return
@@ -539,6 +553,9 @@ def cycle(
         record["sleep_s"] = round(client.sleep(level), 4)
     record["before_used_bytes"] = settle(memory)[0]
     record["before_over_idle_mib"] = over_idle_mib(record["before_used_bytes"], idle)
+    if number == 1:
+        # The worker's own account of what it holds (tags, ledger), before any lock.
+        record["worker_report"] = worker_report(client)
     record["rss_before_bytes"] = rss(targets.pids)
     available_before = mem_available()
     record.update(targets.checkpoint())
@@ -686,6 +703,7 @@ def run_engine(
     engine["reference"] = reference
     engine["stable_without_sleep"] = repeat["exact"]
     engine["awake_used_bytes"] = settle(memory)[0]
+    engine["awake_worker_report"] = worker_report(server.client)
     found = find_targets(memory, server.server.process.pid, driver)
     engine["targets"] = found
     progress(f"{kind}: checkpointing pids {found['pids']} (from {found['source']})")
@@ -757,8 +775,11 @@ def run(
     holder_command: list[str],
     progress: Progress,
     env: dict[str, str] | None = None,
+    started: float | None = None,
 ) -> dict[str, Any]:
-    budget = Budget(args.time_limit)
+    """The whole run; `started` (time.monotonic) is when --time-limit began
+    (default: now)."""
+    budget = Budget(args.time_limit, started=started)
     state = Run(args, memory, progress)
     results = state.results
     results.update(live.header("CUDA checkpoint of a sleeping engine", memory, sys.argv))
@@ -786,7 +807,7 @@ def run(
         stopped_early=None,
     )
     try:
-        with live.time_limit(args.time_limit):
+        with live.time_limit(max(1.0, budget.left())):
             idle = settle(memory)[0]
             results["idle"] = {"used_bytes": idle, "gpu_processes": gpu_processes(memory)}
             begin = time.perf_counter()
@@ -1016,7 +1037,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=3,
         help="at most this many cycles of checkpoint_only (it moves the whole KV cache)",
     )
-    parser.add_argument("--time-limit", type=float, default=270.0, help="seconds for the whole run")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=270.0,
+        help="seconds for the whole run from the script's start, model making included",
+    )
     parser.add_argument(
         "--start-estimate",
         type=float,
@@ -1055,6 +1081,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
     args = parse_args(argv)
     if args.hold_context:
         return hold_context()
@@ -1073,6 +1100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"checkpoint_residue: cannot load libcuda: {error}", file=sys.stderr)
         return 2
     progress = TeeProgress(args.out / RUN_LOG)
+    # The limit counts from the script's start: making the model is part of it.
     args.model = resolve_model(
         BenchSettings(model=args.model, model_kind=args.model_kind), progress
     )
@@ -1083,6 +1111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         real_command(args, args.model),
         holder_command(),
         progress,
+        started=started,
     )
     for line in table_lines(results):
         print(line)

@@ -171,6 +171,8 @@ def test_budget_shares_what_is_left_after_the_reserved_starts():
     assert not budget.allows(150.0 - bench.STOP_RESERVE_S + 1)
     short = bench.Budget(20.0)
     assert (short.stop_reserve_s, short.cycle_guess_s) == (2.0, 1.0)
+    # Counted from the script's start: what came before the run is spent.
+    assert bench.Budget(100.0, clock=lambda: now[0], started=120.0).left() == 70.0
 
 
 def test_summary_figures_and_exactness():
@@ -304,6 +306,11 @@ def test_every_config_runs_its_cycles_and_the_json_holds_the_figures(tmp_path):
     assert "sleep_s" in configs["ours_l1"]["cycles"][0]
     assert "sleep_s" not in configs["checkpoint_only"]["cycles"][0]
     assert configs["ours_l1"]["cycles"][0]["restore_thread_ids"]
+    # The worker's report, awake and before the first checkpoint of each config.
+    assert results["engines"][0]["awake_worker_report"]["tags"]["kv_cache"]["mapped"] > 0
+    asleep = configs["ours_l1"]["cycles"][0]["worker_report"]
+    assert asleep["tags"]["kv_cache"]["mapped"] == 0
+    assert "worker_report" not in configs["ours_l1"]["cycles"][1]
     table = "\n".join(bench.table_lines(results))
     assert "ours_l1" in table and "stock_l1" in table and "REFUSED" not in table
 
