@@ -52,6 +52,7 @@ not (refusal, mismatch, time), 2 when there is nothing to run on (no GPU, no lib
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import shlex
@@ -94,6 +95,14 @@ STOP_RESERVE_S = 15.0
 FIRST_CYCLE_GUESS_S = 10.0
 
 HOLDING = "checkpoint-residue holder: holding"
+HOLDER_INFO = "checkpoint-residue holder: info"  # then what the holder set up, as JSON
+#: The probe's children: what each holds while it is checkpointed.
+HOLDERS = {
+    "bare": "the primary context and one 2 MiB buffer (cuMemAlloc), nothing else",
+    "plugin": "torch with our allocator: graphs captured into our VMM graph pool, the pool "
+    "asleep (backed up to registered host memory, unmapped); vLLM's pieces without vLLM",
+}
+PLUGIN_GRAPHS, PLUGIN_NODES = 16, 8
 CHECK = "CHECK"
 #: The probe's child holds one buffer of this size (the driver's allocation granularity).
 HOLDER_BUFFER_BYTES = 2 * MiB
@@ -381,6 +390,7 @@ class LineReader:
 
 
 def probe(
+    variant: str,
     driver: CheckpointDriver,
     memory,
     holder_command: list[str],
@@ -389,12 +399,9 @@ def probe(
     call_timeout_s: float,
     progress: Progress,
 ) -> dict[str, Any]:
-    """A child holding a bare CUDA context, through one checkpoint and restore."""
-    result: dict[str, Any] = {
-        "what": f"a child process with the primary context and one {HOLDER_BUFFER_BYTES // MiB}"
-        " MiB buffer (cuMemAlloc), nothing else",
-        "ok": False,
-    }
+    """A child holding `variant`'s CUDA state (HOLDERS), through one checkpoint,
+    restore and a check that its state survived."""
+    result: dict[str, Any] = {"variant": variant, "what": HOLDERS[variant], "ok": False}
     child = subprocess.Popen(
         holder_command,
         stdin=subprocess.PIPE,
@@ -407,6 +414,8 @@ def probe(
     step = "start the holder"
     try:
         reader = LineReader(child)
+        info = reader.wait_for(HOLDER_INFO, timeout=120)
+        result["holder"] = json.loads(info[len(HOLDER_INFO) :])
         reader.wait_for(HOLDING, timeout=60)
         result["pid"] = child.pid
         result["used_bytes"] = settle(memory)[0]
@@ -441,18 +450,18 @@ def probe(
         result["buffer_intact"] = answer == f"{CHECK} ok"
         result["ok"] = result["buffer_intact"]
         progress(
-            f"probe: bare context {result['over_idle_mib']:.1f} MiB over idle, checkpointed "
+            f"probe {variant}: {result['over_idle_mib']:.1f} MiB over idle, checkpointed "
             f"{result['checkpointed_over_idle_mib']:.1f} MiB; lock+checkpoint "
             f"{result['lock_s'] + result['checkpoint_s']:.3f} s, restore+unlock "
             f"{result['restore_s'] + result['unlock_s']:.3f} s, buffer "
             + ("intact" if result["buffer_intact"] else "WRONG")
         )
     except DriverCallError as error:
-        result["refusal"] = refusal(error, f"probe: {step} ({targets.step})", targets)
+        result["refusal"] = refusal(error, f"probe {variant}: {step} ({targets.step})", targets)
         result["recovery"] = targets.recover()
-        progress(f"probe: the driver refused: {error}")
-    except RuntimeError as error:
-        result["error"] = f"probe: {step}: the holder {error}"
+        progress(f"probe {variant}: the driver refused: {error}")
+    except (RuntimeError, ValueError) as error:
+        result["error"] = f"probe {variant}: {step}: the holder {error}"
         progress(result["error"])
     finally:
         if child.stdin is not None:
@@ -772,7 +781,7 @@ def run(
     memory,
     load_driver: Callable[[], CheckpointDriver],
     command_for: CommandFor,
-    holder_command: list[str],
+    holder_command: Callable[[str], list[str]],
     progress: Progress,
     env: dict[str, str] | None = None,
     started: float | None = None,
@@ -821,9 +830,10 @@ def run(
                 results["stopped_early"] = f"libcuda lacks {driver.missing} (driver before 570?)"
                 return results
             results["probe"] = probe(
+                "bare",
                 driver,
                 memory,
-                holder_command,
+                holder_command("bare"),
                 idle,
                 args.lock_timeout_ms,
                 args.call_timeout_s,
@@ -838,6 +848,21 @@ def run(
             if results["probe"].get("error"):
                 # The holder itself failed (not the driver): the engines still tell.
                 progress("the probe's holder failed; going on with the engines")
+            if args.plugin_probe:
+                # Our allocator's pieces alone: a refusal here names VMM memory,
+                # registered host memory or graphs without vLLM around them.
+                results["plugin_probe"] = plugin = probe(
+                    "plugin",
+                    driver,
+                    memory,
+                    holder_command("plugin"),
+                    idle,
+                    args.lock_timeout_ms,
+                    args.call_timeout_s,
+                    progress,
+                )
+                if plugin.get("refusal"):
+                    results["refusals"].append(plugin["refusal"])
             state.write()
             if args.floor:
                 results["floor"] = floor.measure(memory, timeout=60)
@@ -961,9 +986,19 @@ def table_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def hold_context() -> int:
-    """The probe's child: a bare CUDA context and one buffer filled with a known
-    word; checks the buffer on CHECK, exits when its input closes."""
+def hold_context(variant: str) -> int:
+    """The probe's child (HOLDERS[variant]): prints HOLDER_INFO and HOLDING once
+    set up, answers CHECK with "CHECK ok" when its state survived, exits when
+    its input closes."""
+    check = hold_bare() if variant == "bare" else hold_plugin_pieces()
+    print(HOLDING, flush=True)
+    for line in sys.stdin:
+        if line.strip() == CHECK:
+            print(f"{CHECK} {'ok' if check() else 'bad'}", flush=True)
+    return 0
+
+
+def hold_bare() -> Callable[[], bool]:
     import ctypes
 
     lib = ctypes.CDLL("libcuda.so.1")
@@ -984,18 +1019,60 @@ def hold_context() -> int:
     # The memset may still run when HOLDING is printed: the lock waits for it, and
     # the check's copy (same stream) comes after it.
     call("cuMemsetD32_v2", pointer, ctypes.c_uint(HOLDER_MAGIC), ctypes.c_size_t(words))
-    print(HOLDING, flush=True)
-    for line in sys.stdin:
-        if line.strip() == CHECK:
-            host = (ctypes.c_uint32 * words)()
-            call("cuMemcpyDtoH_v2", host, pointer, ctypes.c_size_t(HOLDER_BUFFER_BYTES))
-            intact = all(word == HOLDER_MAGIC for word in host)
-            print(f"{CHECK} {'ok' if intact else 'bad'}", flush=True)
-    return 0
+    print(f"{HOLDER_INFO} {json.dumps({'buffer_bytes': HOLDER_BUFFER_BYTES})}", flush=True)
+
+    def check() -> bool:
+        host = (ctypes.c_uint32 * words)()
+        call("cuMemcpyDtoH_v2", host, pointer, ctypes.c_size_t(HOLDER_BUFFER_BYTES))
+        return all(word == HOLDER_MAGIC for word in host)
+
+    return check
 
 
-def holder_command() -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--hold-context"]
+def hold_plugin_pieces() -> Callable[[], bool]:
+    """Graphs whose private memory sits in our graph pool, the pool asleep; the
+    check wakes it and replays every graph (benchmarks/graph_residue.py's case,
+    with allocations inside the graphs so that the pool has pages to back up)."""
+    import torch
+
+    from vllm_graph_sleep.allocator import GRAPH_TAG, GraphSleepAllocator
+
+    allocator = GraphSleepAllocator.get_instance()
+    buffers = [torch.zeros(1 << 16, device="cuda") for _ in range(PLUGIN_GRAPHS)]
+    (buffers[0] + 1).sum().item()  # kernels loaded before the capture
+    graphs = []
+    with allocator.cudagraph_pool() as pool:
+        for buffer in buffers:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool.id):
+                for _ in range(PLUGIN_NODES):
+                    buffer.copy_(buffer + 1)  # `buffer + 1` lives in the pool
+            graphs.append(graph)
+    mapped = allocator.mapped_bytes(GRAPH_TAG)
+    allocator.sleep(offload_tags=(GRAPH_TAG,))
+    torch.cuda.synchronize()
+    info = {
+        "graphs": PLUGIN_GRAPHS,
+        "kernels_per_graph": 2 * PLUGIN_NODES,
+        "pool_mapped_bytes_awake": mapped,
+        "pool_mapped_bytes_asleep": allocator.mapped_bytes(GRAPH_TAG),
+        "host_backup_bytes": allocator.host_bytes(),
+    }
+    print(f"{HOLDER_INFO} {json.dumps(info)}", flush=True)
+
+    def check() -> bool:
+        allocator.wake_up()
+        for graph in graphs:
+            graph.replay()
+        torch.cuda.synchronize()
+        # Capture runs nothing: one replay adds PLUGIN_NODES to every buffer.
+        return all(bool((buffer == PLUGIN_NODES).all()) for buffer in buffers)
+
+    return check
+
+
+def holder_command(variant: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--hold-context", variant]
 
 
 def real_command(args: argparse.Namespace, model: str) -> CommandFor:
@@ -1069,7 +1146,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_false",
         help="skip the bench's floor (context + cuBLAS, ~10 s)",
     )
-    parser.add_argument("--hold-context", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-plugin-probe",
+        dest="plugin_probe",
+        action="store_false",
+        help="skip the probe of our allocator's pieces without vLLM (~10 s)",
+    )
+    parser.add_argument("--hold-context", choices=list(HOLDERS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not args.hold_context and args.out is None:
         parser.error("--out is required")
@@ -1084,7 +1167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
     if args.hold_context:
-        return hold_context()
+        return hold_context(args.hold_context)
     from vllm_graph_sleep.bench.gpu import NvmlMemory
     from vllm_graph_sleep.bench.runner import resolve_model
     from vllm_graph_sleep.bench.settings import BenchSettings
@@ -1109,7 +1192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory,
         CheckpointDriver.load,
         real_command(args, args.model),
-        holder_command(),
+        holder_command,
         progress,
         started=started,
     )

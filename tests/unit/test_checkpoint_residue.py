@@ -57,15 +57,24 @@ def test_argument_structs_have_the_driver_layout():
     assert (RestoreArgs.reserved.offset, RestoreArgs.reserved1.offset) == (12, 56)
 
 
+def fake_holder(variant: str) -> list[str]:
+    return [
+        sys.executable,
+        str(FAKE_HOLDER),
+        bench.HOLDING,
+        bench.CHECK,
+        bench.HOLDER_INFO,
+        variant,
+    ]
+
+
 @pytest.fixture
 def holder():
     """A live process the fake driver counts as holding a CUDA context."""
     child = subprocess.Popen(
-        [sys.executable, str(FAKE_HOLDER), bench.HOLDING, bench.CHECK],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        fake_holder("bare"), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    assert child.stdout.readline().startswith(bench.HOLDER_INFO)
     assert child.stdout.readline().strip() == bench.HOLDING
     yield child.pid
     child.stdin.close()
@@ -256,13 +265,12 @@ class Harness:
             ["--out", str(self.tmp / "out"), "--model", "fake-model", "--no-floor"]
             + ["--start-estimate", "1", "--max-tokens", "4", *argv]
         )
-        holder = [sys.executable, str(FAKE_HOLDER), bench.HOLDING, bench.CHECK]
         return bench.run(
             args,
             self.memory,
             lambda: CheckpointDriver(self.lib),
             self.command_for,
-            holder,
+            fake_holder,
             self.lines.append,
             env={**os.environ, **(env or {})},
         )
@@ -284,6 +292,11 @@ def test_every_config_runs_its_cycles_and_the_json_holds_the_figures(tmp_path):
     assert probe["controller_cuinit"] is False
     # A helper started per call: timed from start to answer (here without libcuda).
     assert probe["helper"]["seconds"] > 0 and probe["helper"]["exit_code"] is not None
+    assert probe["variant"] == "bare" and probe["holder"] == {"fake": "bare"}
+    # The second probe, our allocator's pieces, ran through the same steps.
+    plugin = results["plugin_probe"]
+    assert plugin["ok"] and plugin["holder"] == {"fake": "plugin"}
+    assert plugin["checkpointed_over_idle_mib"] == 0.0
     # One engine per server, in order; each checkpointed the server's process.
     assert [e["server"] for e in results["engines"]] == ["ours", "stock"]
     for engine in results["engines"]:
@@ -355,9 +368,32 @@ def test_a_refused_probe_stops_before_any_engine_starts(tmp_path):
     results = harness.run("--configs", "ours_l1")
     assert results["ok"] is False and results["engines"] == []
     assert results["probe"]["refusal"]["call"] == "cuCheckpointProcessLock"
-    assert results["probe"]["refusal"]["where"].startswith("probe: lock and checkpoint")
+    assert results["probe"]["refusal"]["where"].startswith("probe bare: lock and checkpoint (lock pid")
     assert results["stopped_early"] == "the driver refused the probe: no engine started"
     assert harness.written()["refusals"] == [results["probe"]["refusal"]]
+
+
+def test_a_refused_plugin_probe_is_recorded_and_the_engines_still_run(tmp_path):
+    lib = FakeLibcuda(refuse={"cuCheckpointProcessCheckpoint": 801}, refuse_pids=set())
+    original = lib.cuCheckpointProcessLock
+
+    def lock(pid, args):  # refuse the checkpoint of the plugin holder alone
+        import psutil
+
+        if "plugin" in psutil.Process(pid).cmdline():
+            lib.refuse_pids.add(pid)
+        return original(pid, args)
+
+    lib.cuCheckpointProcessLock = lock
+    harness = Harness(tmp_path, lib)
+    results = harness.run("--configs", "ours_l1", "--cycles", "1")
+    assert results["probe"]["ok"] is True
+    refused = results["plugin_probe"]["refusal"]
+    assert refused["where"].startswith("probe plugin: lock and checkpoint")
+    assert refused["name"] == "CUDA_ERROR_NOT_SUPPORTED"
+    assert results["refusals"] == [refused]
+    assert results["configs"]["ours_l1"]["summary"]["all_exact"] is True
+    assert results["ok"] is False
 
 
 def test_a_holder_that_fails_does_not_keep_the_engines_from_running(tmp_path, monkeypatch):
@@ -518,11 +554,7 @@ def test_main_wires_the_real_pieces_and_prints_the_table(tmp_path, monkeypatch, 
     monkeypatch.setattr(gpu, "NvmlMemory", lambda count: harness.memory)
     monkeypatch.setattr(CheckpointDriver, "load", classmethod(lambda cls: cls(lib)))
     monkeypatch.setattr(bench, "real_command", lambda args, model: harness.command_for)
-    monkeypatch.setattr(
-        bench,
-        "holder_command",
-        lambda: [sys.executable, str(FAKE_HOLDER), bench.HOLDING, bench.CHECK],
-    )
+    monkeypatch.setattr(bench, "holder_command", fake_holder)
     out = tmp_path / "out"
     argv = ["--out", str(out), "--model", str(model), "--no-floor", "--cycles", "1"]
     assert bench.main([*argv, "--start-estimate", "1"]) == 0
