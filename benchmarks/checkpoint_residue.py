@@ -863,6 +863,10 @@ def run(
                 )
                 if plugin.get("refusal"):
                     results["refusals"].append(plugin["refusal"])
+                    if plugin["refusal"]["name"] == "NO_ANSWER":
+                        # A driver that stopped answering would hang the engines too.
+                        results["stopped_early"] = "a probe's driver call hung: no engine started"
+                        return results
             state.write()
             if args.floor:
                 results["floor"] = floor.measure(memory, timeout=60)
@@ -920,12 +924,16 @@ def table_lines(results: dict[str, Any]) -> list[str]:
     idle = results.get("idle", {}).get("used_bytes")
     if idle is not None:
         lines.append(f"idle GPU: {idle / MiB:.0f} MiB used (NVML)")
-    probe_result = results.get("probe") or {}
-    if "checkpointed_over_idle_mib" in probe_result:
-        lines.append(
-            f"bare context: {probe_result['over_idle_mib']:.1f} MiB over idle, checkpointed "
-            f"{probe_result['checkpointed_over_idle_mib']:.1f} MiB"
-        )
+    for key in ("probe", "plugin_probe"):
+        found = results.get(key) or {}
+        if "checkpointed_over_idle_mib" in found:
+            lines.append(
+                f"probe {found['variant']}: {found['over_idle_mib']:.1f} MiB over idle, "
+                f"checkpointed {found['checkpointed_over_idle_mib']:.1f} MiB, "
+                + ("intact after restore" if found.get("buffer_intact") else "NOT intact")
+            )
+        elif found.get("error"):
+            lines.append(found["error"])
     floor_result = results.get("floor") or {}
     if floor_result.get("over_idle_mib") is not None:
         lines.append(f"floor (context + cuBLAS): {floor_result['over_idle_mib']:.1f} MiB over idle")
@@ -1130,7 +1138,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--call-timeout-s",
         type=float,
-        default=120.0,
+        default=60.0,
         help="a driver call not back after this long is recorded as hung (NO_ANSWER)",
     )
     parser.add_argument("--model", help="a local model directory (default: make --model-kind)")

@@ -326,6 +326,8 @@ def test_every_config_runs_its_cycles_and_the_json_holds_the_figures(tmp_path):
     assert "worker_report" not in configs["ours_l1"]["cycles"][1]
     table = "\n".join(bench.table_lines(results))
     assert "ours_l1" in table and "stock_l1" in table and "REFUSED" not in table
+    assert "probe bare: 300.0 MiB over idle, checkpointed 0.0 MiB, intact" in table
+    assert "probe plugin: 300.0 MiB over idle" in table
 
 
 def test_a_refusal_is_recorded_with_where_and_the_run_goes_on_where_it_can(tmp_path, monkeypatch):
@@ -368,7 +370,9 @@ def test_a_refused_probe_stops_before_any_engine_starts(tmp_path):
     results = harness.run("--configs", "ours_l1")
     assert results["ok"] is False and results["engines"] == []
     assert results["probe"]["refusal"]["call"] == "cuCheckpointProcessLock"
-    assert results["probe"]["refusal"]["where"].startswith("probe bare: lock and checkpoint (lock pid")
+    assert results["probe"]["refusal"]["where"].startswith(
+        "probe bare: lock and checkpoint (lock pid"
+    )
     assert results["stopped_early"] == "the driver refused the probe: no engine started"
     assert harness.written()["refusals"] == [results["probe"]["refusal"]]
 
