@@ -82,6 +82,35 @@ class NvmlMemory:
         with self._lock:
             return [int(self._nvml.nvmlDeviceGetMemoryInfo(h).used) for h in self._handles]
 
+    def compute_processes(self) -> list[list[tuple[int, int | None]]]:
+        """Per GPU, (pid, used bytes or None) of every process holding a compute
+        context on it, as NVML lists them (pids of the driver's pid namespace,
+        which in a container may not be this one's)."""
+        nvml = self._nvml
+        with self._lock:
+            return [
+                [
+                    (int(p.pid), p.usedGpuMemory)
+                    for p in nvml.nvmlDeviceGetComputeRunningProcesses(h)
+                ]
+                for h in self._handles
+            ]
+
+    def persistence_modes(self) -> list[bool | None]:
+        """Per GPU, whether the driver's persistence mode is on (None where NVML
+        cannot say)."""
+        nvml = self._nvml
+        modes: list[bool | None] = []
+        with self._lock:
+            for handle in self._handles:
+                try:
+                    modes.append(
+                        nvml.nvmlDeviceGetPersistenceMode(handle) == nvml.NVML_FEATURE_ENABLED
+                    )
+                except nvml.NVMLError:
+                    modes.append(None)
+        return modes
+
     def driver_version(self) -> str:
         version = self._nvml.nvmlSystemGetDriverVersion()
         return version.decode() if isinstance(version, bytes) else str(version)
