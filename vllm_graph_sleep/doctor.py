@@ -590,7 +590,7 @@ def environment_check(active: bool, environ: MutableMapping[str, str], diag: Dia
     graph offload active, the asleep wait in dev mode), a warning elsewhere; a
     name none of them reads (a misspelt one) is a warning."""
     from vllm_graph_sleep._native import host_buffer_kind
-    from vllm_graph_sleep.patches.entrypoints_serve_dev_sleep_api_router import (
+    from vllm_graph_sleep.request_gate import (
         ASLEEP_WAIT_ENV,
         asleep_wait_s,
     )

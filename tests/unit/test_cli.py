@@ -37,7 +37,7 @@ from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, ServerError, serve_command, server_env
 from vllm_graph_sleep.bench.settings import ALL_CONFIGS, BenchSettings
-from vllm_graph_sleep.patches.entrypoints_serve_dev_sleep_api_router import ASLEEP_WAIT_ENV
+from vllm_graph_sleep.request_gate import ASLEEP_WAIT_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"

@@ -18,6 +18,7 @@ from vllm.entrypoints.serve.dev.sleep import api_router
 
 from tests.unit.force_cpu_platform import force_cpu_platform
 from vllm_graph_sleep.bench.client import greedy_completion_body
+from vllm_graph_sleep import request_gate
 from vllm_graph_sleep.patches import entrypoints_serve_dev_sleep_api_router as patch
 from vllm_graph_sleep.patches._wrap import original_of
 
@@ -213,7 +214,7 @@ def test_apply_and_attach_are_idempotent(engine):
 
     app, client = serve(api_router.attach_router, engine)
     api_router.attach_router(app)  # a second attach adds no second layer
-    layers = [m for m in app.user_middleware if m.cls is patch.SleepRequestValidation]
+    layers = [m for m in app.user_middleware if m.cls is request_gate.SleepRequestValidation]
     assert len(layers) == 1
     response = client.post("/sleep?level=3")
     assert response.status_code == 400
@@ -318,7 +319,7 @@ def wait_s(monkeypatch):
     """Sets the wait bound and applies the patch (AsleepGate reads the bound)."""
 
     def set_bound(seconds: float) -> None:
-        monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, str(seconds))
+        monkeypatch.setenv(request_gate.ASLEEP_WAIT_ENV, str(seconds))
         patch.apply()
 
     return set_bound
@@ -522,8 +523,8 @@ def test_root_path_is_honoured_by_the_gate(llama, wait_s):
 
 @pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
 def test_bad_wait_bound_fails_at_start_up(monkeypatch, value):
-    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, value)
-    with pytest.raises(ValueError, match=patch.ASLEEP_WAIT_ENV):
+    monkeypatch.setenv(request_gate.ASLEEP_WAIT_ENV, value)
+    with pytest.raises(ValueError, match=request_gate.ASLEEP_WAIT_ENV):
         patch.apply()
 
 
@@ -612,4 +613,4 @@ def test_a_handler_that_ignores_the_cut_off_is_cancelled(wait_s):
 
     answer = asyncio.run(scenario())
     assert answer.status_code == 503 and cancelled == [True]
-    assert 0.2 + patch.DISCONNECT_GRACE_S <= answer.seconds < 3
+    assert 0.2 + request_gate.DISCONNECT_GRACE_S <= answer.seconds < 3
