@@ -79,7 +79,9 @@ def apply() -> None:
         return
     from vllm.entrypoints.serve.dev.sleep import api_router
 
-    request_gate.asleep_wait_s()  # a bad value fails at start-up, not at the first request
+    # A bad value fails at start-up, not at the first request.
+    request_gate.asleep_wait_s()
+    request_gate.max_held_requests()
     # AsleepGate holds requests at the point that patch adds.
     v1_engine_async_llm.apply()
     require(api_router, "attach_router", where=WHERE, parameters=("app",))
