@@ -39,7 +39,7 @@ class EngineWatch:
         self._awake_answer = 0  # the number of the latest question answered "awake"
         self._asleep_since: float | None = None  # every answer since: asleep, or none
         self._question_since: float | None = None  # when the question in flight was asked
-        self.awake_asked_at: float | None = None  # when the latest "awake" question was asked
+        self._awake_asked_at: float | None = None  # when the latest "awake" question was asked
         self._answered = asyncio.Event()  # replaced after each answer
         self._fresh_wanted = asyncio.Event()  # a waiter needs a question asked after it came
         self._task: asyncio.Task | None = None
@@ -77,6 +77,10 @@ class EngineWatch:
         awake. Current only while watched."""
         return self._asleep_since or self._question_since
 
+    def awake_asked_at(self) -> float | None:
+        """When the latest question that found the engine awake was asked."""
+        return self._awake_asked_at
+
     def _interest(self, engine: Any, change: int) -> None:
         self._engine = engine
         self._interested += change
@@ -97,7 +101,7 @@ class EngineWatch:
                 else:
                     self._awake_answer = number
                     self._asleep_since = None
-                    self.awake_asked_at = asked_at
+                    self._awake_asked_at = asked_at
                 answered, self._answered = self._answered, asyncio.Event()
                 answered.set()
                 if self._interested and not self._fresh_wanted.is_set():

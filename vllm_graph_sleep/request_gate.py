@@ -41,9 +41,9 @@ requests (default 1024) are held at once; one more gets 503 at once.
 A level-2 sleep discards the weights, and a wake maps them back without a
 backup (vLLM's Worker.sleep): after a level-2 sleep through this server,
 requests are held, even once the engine is awake, until a reload or update of
-the weights through this server has succeeded (WEIGHT_LOADERS, by
-/collective_rpc or the dev/rlhf weight-transfer routes); past the bound they
-get 503 saying so. Stock vLLM serves them on whatever the fresh pages hold.
+the weights through this server has succeeded (a /collective_rpc call other
+than NOT_WEIGHT_LOADS, or the dev/rlhf weight-transfer routes); past the bound
+they get 503 saying so. Stock vLLM serves them on whatever the fresh pages hold.
 """
 
 from __future__ import annotations
@@ -82,8 +82,18 @@ WEIGHT_ROUTES = {
 }
 #: POST routes that can load or update the weights.
 WEIGHT_PATHS = (RPC_PATH, *WEIGHT_ROUTES)
-#: Worker methods that load the weights anew, or end an update of them.
-WEIGHT_LOADERS = ("reload_weights", "load_model", "update_weights", "finish_weight_update")
+#: Worker methods that start a weight update (finish_weight_update ends it).
+WEIGHT_UPDATE_STARTS = ("start_weight_update", "start_draft_weight_update")
+#: Worker methods known to leave the weights as they are. Any other method
+#: that succeeds through /collective_rpc counts as loading them: vLLM's
+#: reload_weights, load_model and update_weights, and the loaders of worker
+#: extensions (RL frameworks name their own), which the gate cannot list.
+NOT_WEIGHT_LOADS = (
+    "check_health",
+    "graph_sleep_memory_report",  # vllm_graph_sleep.probe
+    "init_weight_transfer_engine",
+    "get_model",
+)
 #: A /collective_rpc body read to see its method; a longer one is not a reload.
 MAX_WEIGHTS_CALL_BODY = 1 << 20
 #: POST routes that submit work to the engine; these wait while it sleeps.
@@ -440,7 +450,7 @@ class AsleepGate:
         """The engine said it is awake: requests stop asking, unless a /sleep
         or /pause is still on its way to the engine or the question was asked
         before the last one was done."""
-        awake_at = self.watch.awake_asked_at
+        awake_at = self.watch.awake_asked_at()
         if self.sleeps_in_flight == 0 and awake_at is not None and awake_at >= self.slept_at:
             self.maybe_asleep = False
 
@@ -485,11 +495,13 @@ class AsleepGate:
         status = _Status(send)
         await self.app(scope, receive_and_keep, status.send)
         method = _weights_method(path, bytes(body)) if status.succeeded() else None
-        if method == "start_weight_update":
+        if method is None or method in NOT_WEIGHT_LOADS:
+            return
+        if method in WEIGHT_UPDATE_STARTS:
             self.weight_update_open = True
         elif method == "update_weights" and self.weight_update_open:
             pass  # one part of an update that finish_weight_update ends
-        elif method in WEIGHT_LOADERS:
+        else:
             self.weight_update_open = False
             self.weights_missing = False
             self.weights_back.set()

@@ -785,6 +785,8 @@ def test_bad_held_bound_fails_at_start_up(monkeypatch, value):
         ("/collective_rpc", {"method": "reload_weights"}, "reload_weights"),
         # The dev/rlhf weight transfer route.
         ("/update_weights", {"update_info": {}}, "update_weights"),
+        # A worker extension's loader (RL frameworks name their own).
+        ("/collective_rpc", {"method": "update_weights_from_ipc"}, "update_weights_from_ipc"),
     ],
 )
 def test_after_level_2_and_a_full_wake_requests_wait_for_the_weights(
@@ -809,12 +811,34 @@ def test_after_level_2_and_a_full_wake_requests_wait_for_the_weights(
     assert added and min(added) > calls.index(("rpc", worker_call))
 
 
+def test_after_level_2_a_started_weight_update_releases_requests_when_it_ends(llama, wait_s):
+    wait_s(5)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=2")
+        answer, *_ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)),
+            timed_post(client, "/wake_up", delay=0.2),
+            timed_post(client, "/start_weight_update", delay=0.3),
+            timed_post(client, "/update_weights", b'{"update_info": {}}', delay=0.4),
+            timed_post(client, "/finish_weight_update", delay=0.8),
+        )
+        return answer, core.calls
+
+    answer, calls = serve_vllm(llama, scenario)
+    assert answer.status_code == 200 and answer.seconds >= 0.8, answer.text[:300]
+    added = [i for i, call in enumerate(calls) if call[0] == "add"]
+    assert added and min(added) > calls.index(("rpc", "finish_weight_update"))
+
+
 def test_after_level_2_a_request_gets_503_until_the_weights_are_reloaded(llama, wait_s):
     wait_s(0.4)
 
     async def scenario(client, core):
         await timed_post(client, "/sleep?level=2")
         await timed_post(client, "/wake_up")
+        # Known to leave the weights as they are: no reload.
+        await timed_post(client, "/collective_rpc", b'{"method": "check_health"}')
         refused = await timed_post(client, "/v1/completions", completion(llama))
         body = json.dumps({"method": "reload_weights"}).encode()
         await timed_post(client, "/collective_rpc", body)
