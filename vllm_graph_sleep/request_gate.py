@@ -216,12 +216,16 @@ def max_held_requests(environ: Mapping[str, str] | None = None) -> int:
     raw = (os.environ if environ is None else environ).get(MAX_HELD_ENV, "")
     if not raw:
         return DEFAULT_MAX_HELD
-    if not raw.strip().isdigit():
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
         raise ValueError(
             f"{MAX_HELD_ENV}={raw!r}: expected a whole number >= 0 of requests (0 holds none; "
             f"unset: {DEFAULT_MAX_HELD})"
         )
-    return int(raw)
+    return value
 
 
 def _drains(path: str, params: QueryParams) -> bool:
@@ -402,8 +406,9 @@ class AsleepGate:
 
     def may_be_asleep(self, state: Any) -> bool:
         """Whether a request must ask the engine before it goes in: after this
-        server forwarded a /sleep or /pause, or always when several API server
-        processes share the engine (another one may have put it to sleep)."""
+        server forwarded a /sleep or /pause, while a level-2 sleep's weights
+        wait for a reload, or always when several API server processes share
+        the engine (another one may have put it to sleep)."""
         if getattr(state, "engine_client", None) is None:  # not serving yet
             return False
         args = getattr(state, "args", None)
