@@ -197,7 +197,8 @@ class Fuzzer:
                 query = f"level={rng.choice(LEVELS)}&level={rng.choice(LEVELS)}"
             return Request("bad_sleep", "POST", f"/sleep?{query}")
         if kind == "bad_wake_up":
-            bad = rng.choice(("cudagraph", "", "graphs", "%FF%FE", "weights,kv_cache"))
+            # "weights" repeats the tag: vLLM 0.26 woke, then answered 500.
+            bad = rng.choice(("cudagraph", "", "graphs", "%FF%FE", "weights,kv_cache", "weights"))
             return Request("bad_wake_up", "POST", f"/wake_up?tags=weights&tags={bad}")
         if kind == "bad_rpc":
             method = rng.choice(("get_model", "no_such_worker_method"))

@@ -590,9 +590,11 @@ def environment_check(active: bool, environ: MutableMapping[str, str], diag: Dia
     graph offload active, the asleep wait in dev mode), a warning elsewhere; a
     name none of them reads (a misspelt one) is a warning."""
     from vllm_graph_sleep._native import host_buffer_kind
-    from vllm_graph_sleep.patches.entrypoints_serve_dev_sleep_api_router import (
+    from vllm_graph_sleep.request_gate import (
         ASLEEP_WAIT_ENV,
+        MAX_HELD_ENV,
         asleep_wait_s,
+        max_held_requests,
     )
 
     dev_mode = bool(_vllm_env(environ, "VLLM_SERVER_DEV_MODE"))
@@ -601,7 +603,9 @@ def environment_check(active: bool, environ: MutableMapping[str, str], diag: Dia
         name: (functools.partial(env_switch, name), offload) for name in SWITCH_ENVS
     }
     readers[HOST_BUFFERS_ENV] = (host_buffer_kind, offload)
-    readers[ASLEEP_WAIT_ENV] = (asleep_wait_s, (dev_mode, "read only in dev mode"))
+    in_dev_mode = (dev_mode, "read only in dev mode")
+    readers[ASLEEP_WAIT_ENV] = (asleep_wait_s, in_dev_mode)
+    readers[MAX_HELD_ENV] = (max_held_requests, in_dev_mode)
     seen = []
     for name in sorted(n for n in environ if n.startswith(ENV_PREFIX)):
         if name in NOT_READ_BY_SERVERS:

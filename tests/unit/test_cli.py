@@ -37,7 +37,7 @@ from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, ServerError, serve_command, server_env
 from vllm_graph_sleep.bench.settings import ALL_CONFIGS, BenchSettings
-from vllm_graph_sleep.patches.entrypoints_serve_dev_sleep_api_router import ASLEEP_WAIT_ENV
+from vllm_graph_sleep.request_gate import ASLEEP_WAIT_ENV, MAX_HELD_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -949,7 +949,7 @@ def _clean_doctor_env(monkeypatch):
         "VLLM_SERVER_DEV_MODE",
     ):
         monkeypatch.delenv(name, raising=False)
-    for name in (*SWITCH_ENVS, HOST_BUFFERS_ENV, ASLEEP_WAIT_ENV):
+    for name in (*SWITCH_ENVS, HOST_BUFFERS_ENV, ASLEEP_WAIT_ENV, MAX_HELD_ENV):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -1219,13 +1219,22 @@ def test_doctor_refuses_a_value_the_worker_would_refuse(
     assert "read only while graph offload is active; not here" in line_of(out, "warning")
 
 
-def test_doctor_checks_the_asleep_wait_where_the_server_reads_it(capsys, monkeypatch):
-    monkeypatch.setenv("VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S", "-1")
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S", "expected seconds >= 0"),
+        ("VLLM_GRAPH_SLEEP_MAX_HELD_REQUESTS", "expected a whole number >= 0"),
+    ],
+)
+def test_doctor_checks_the_gate_switches_where_the_server_reads_them(
+    capsys, monkeypatch, name, says
+):
+    monkeypatch.setenv(name, "-1")
     code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
     assert code == 0 and "read only in dev mode; not here" in line_of(out, "warning")
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
-    assert code == 1 and "VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S='-1': expected seconds >= 0" in out
+    assert code == 1 and f"{name}='-1': {says}" in out
 
 
 def test_doctor_vllm_plugins_without_ours(capsys, monkeypatch):

@@ -17,6 +17,7 @@ from vllm.engine.protocol import EngineClient
 from vllm.entrypoints.serve.dev.sleep import api_router
 
 from tests.unit.force_cpu_platform import force_cpu_platform
+from vllm_graph_sleep import request_gate
 from vllm_graph_sleep.bench.client import greedy_completion_body
 from vllm_graph_sleep.patches import entrypoints_serve_dev_sleep_api_router as patch
 from vllm_graph_sleep.patches._wrap import original_of
@@ -213,7 +214,7 @@ def test_apply_and_attach_are_idempotent(engine):
 
     app, client = serve(api_router.attach_router, engine)
     api_router.attach_router(app)  # a second attach adds no second layer
-    layers = [m for m in app.user_middleware if m.cls is patch.SleepRequestValidation]
+    layers = [m for m in app.user_middleware if m.cls is request_gate.SleepRequestValidation]
     assert len(layers) == 1
     response = client.post("/sleep?level=3")
     assert response.status_code == 400
@@ -235,34 +236,46 @@ MiB = 2**20
 class FakeCore:
     """The engine core client as AsyncLLM uses it, with no engine behind it.
     A request is answered with max_tokens tokens after busy_s seconds; while
-    the core sleeps (both tags) or is paused it queues requests, as EngineCore
-    does (requests in flight are kept, as with mode=keep), and answers them
-    once fully awake. Records the calls the tests look at."""
+    the core sleeps or is paused it queues requests, as EngineCore does
+    (requests in flight are kept, as with mode=keep, except that mode=wait
+    lets them finish before the sleep or pause returns), and answers them
+    once fully awake: the scheduler resumes when no tag sleeps any more, as
+    EngineCore.wake_up does. is_sleeping answers after answer_s seconds (never
+    when it is None), like an engine core busy with something else. Records
+    the calls the tests look at."""
 
     def __init__(self) -> None:
         self.resources = SimpleNamespace(engine_dead=False)
         self.calls: list[tuple] = []
         self.asleep: set[str] = set()
         self.busy_s = 0.0
+        self.answer_s: float | None = 0.0
         self.check_fails = False
         self._queued: list = []
+        self._in_flight: set[str] = set()
+        self._draining: set[str] = set()
         self._aborted: set[str] = set()
         self._outputs: asyncio.Queue = asyncio.Queue()
 
     def added(self) -> list[str]:
         return [call[1] for call in self.calls if call[0] == "add"]
 
+    def count(self, name: str) -> int:
+        return sum(call[0] == name for call in self.calls)
+
     async def get_supported_tasks_async(self) -> tuple[str, ...]:
         return ("generate",)
 
     async def add_request_async(self, request) -> None:
         self.calls.append(("add", request.request_id))
+        self._in_flight.add(request.request_id)
         asyncio.get_running_loop().call_later(self.busy_s, self._step, request)
 
     def _step(self, request) -> None:
         if request.request_id in self._aborted:
+            self._in_flight.discard(request.request_id)
             return
-        if self.asleep:
+        if self.asleep and request.request_id not in self._draining:
             self._queued.append(request)
             return
         from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -270,6 +283,7 @@ class FakeCore:
         tokens = list(range(100, 100 + request.sampling_params.max_tokens))
         output = EngineCoreOutput(request.request_id, tokens, finish_reason=FinishReason.LENGTH)
         self._outputs.put_nowait(EngineCoreOutputs(outputs=[output]))
+        self._in_flight.discard(request.request_id)
 
     async def get_output_async(self):
         return await self._outputs.get()
@@ -278,22 +292,46 @@ class FakeCore:
         self.calls.append(("abort", list(request_ids)))
         self._aborted.update(request_ids)
 
+    async def _pause(self, mode: str) -> None:
+        if mode == "wait":
+            self._draining = set(self._in_flight)
+        self.asleep.add("scheduling")
+        while self._draining & self._in_flight:
+            await asyncio.sleep(0.01)
+        self._draining = set()
+
     async def sleep_async(self, level: int, mode: str) -> None:
         self.calls.append(("sleep", level, mode))
-        self.asleep |= {"weights", "kv_cache"} if level else {"scheduling"}
+        await self._pause(mode)
+        if level:
+            self.asleep |= {"weights", "kv_cache"}
 
     async def wake_up_async(self, tags: list[str] | None) -> None:
         self.calls.append(("wake_up", tags))
         self.asleep -= set(tags or self.asleep)
+        if not self.asleep & {"weights", "kv_cache"}:
+            self.asleep.discard("scheduling")
         self._answer_queued()
 
     async def pause_scheduler_async(self, mode: str, clear_cache: bool) -> None:
-        self.asleep.add("scheduling")
+        self.calls.append(("pause", mode))
+        await self._pause(mode)
+
+    async def resume_scheduler_async(self) -> None:
+        self.asleep.discard("scheduling")
+        self._answer_queued()
+
+    async def collective_rpc_async(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("rpc", method))
+        return [None]
 
     async def is_sleeping_async(self) -> bool:
         self.calls.append(("is_sleeping",))
         if self.check_fails:
             raise RuntimeError("engine core died")
+        if self.answer_s is None:
+            await asyncio.Event().wait()  # wedged: never answers
+        await asyncio.sleep(self.answer_s)
         return bool(self.asleep)
 
     def _answer_queued(self) -> None:
@@ -318,7 +356,7 @@ def wait_s(monkeypatch):
     """Sets the wait bound and applies the patch (AsleepGate reads the bound)."""
 
     def set_bound(seconds: float) -> None:
-        monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, str(seconds))
+        monkeypatch.setenv(request_gate.ASLEEP_WAIT_ENV, str(seconds))
         patch.apply()
 
     return set_bound
@@ -444,9 +482,12 @@ def test_request_while_asleep_is_held_and_served_after_a_staged_wake(llama, wait
 
     async def scenario(client, core):
         await timed_post(client, "/sleep?level=2")
+        reload = json.dumps({"method": "reload_weights"}).encode()
         held, *_ = await asyncio.gather(
             timed_post(client, "/v1/completions", several),
             timed_post(client, "/wake_up?tags=weights", delay=0.3),
+            # Level 2 discarded the weights: the RL loop reloads or updates them.
+            timed_post(client, "/collective_rpc", reload, delay=0.45),
             timed_post(client, "/wake_up?tags=kv_cache", delay=0.6),
         )
         return held, core
@@ -522,8 +563,8 @@ def test_root_path_is_honoured_by_the_gate(llama, wait_s):
 
 @pytest.mark.parametrize("value", ["-1", "soon", "inf", "nan"])
 def test_bad_wait_bound_fails_at_start_up(monkeypatch, value):
-    monkeypatch.setenv(patch.ASLEEP_WAIT_ENV, value)
-    with pytest.raises(ValueError, match=patch.ASLEEP_WAIT_ENV):
+    monkeypatch.setenv(request_gate.ASLEEP_WAIT_ENV, value)
+    with pytest.raises(ValueError, match=request_gate.ASLEEP_WAIT_ENV):
         patch.apply()
 
 
@@ -612,4 +653,199 @@ def test_a_handler_that_ignores_the_cut_off_is_cancelled(wait_s):
 
     answer = asyncio.run(scenario())
     assert answer.status_code == 503 and cancelled == [True]
-    assert 0.2 + patch.DISCONNECT_GRACE_S <= answer.seconds < 3
+    assert 0.2 + request_gate.DISCONNECT_GRACE_S <= answer.seconds < 3
+
+
+# -- issue 34, items 5-9 ---------------------------------------------------
+
+
+@pytest.mark.parametrize("tags", [["weights", "weights"], ["scheduling", "scheduling"]])
+def test_repeated_wake_up_tag_is_rejected_before_the_engine(client, engine, tags):
+    """vLLM's executor would wake the workers, then raise KeyError removing
+    the tag a second time: a 500 for a wake that worked, scheduling left paused."""
+    response = client.post("/wake_up", params={"tags": tags})
+    assert response.status_code == 400
+    assert f"tag {tags[0]!r} given 2 times: give it once" in response.json()["error"]
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("route", ["/sleep?level=1&mode=wait", "/pause?mode=wait"])
+def test_a_wait_drain_finishes_requests_in_flight_past_the_bound(llama, wait_s, route):
+    """mode=wait promises to let requests in flight finish; the engine counts as
+    asleep (paused) while it drains, which the in-flight bound must not count."""
+    wait_s(0.3)
+
+    async def scenario(client, core):
+        core.busy_s = 1.0
+        return await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)),
+            timed_post(client, route, delay=0.1),
+        )
+
+    answer, drain = serve_vllm(llama, scenario)
+    assert answer.status_code == 200, answer.text[:300]
+    assert answer.json()["choices"][0]["token_ids"] == [100, 101, 102, 103]
+    assert drain.status_code == 200 and drain.seconds >= 0.5  # it waited for the request
+
+
+@pytest.mark.parametrize("answer_s", [3.0, None], ids=["busy", "wedged"])
+def test_the_bound_holds_while_the_engine_does_not_answer(llama, wait_s, answer_s):
+    """is_sleeping queues behind whatever the engine core does; the held
+    request's bound must not wait for its answer."""
+    wait_s(0.4)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=1")
+        core.answer_s = answer_s
+        post = timed_post(client, "/v1/completions", completion(llama))
+        return await asyncio.wait_for(post, 6)  # a wedged engine held it for good
+
+    answer = serve_vllm(llama, scenario)
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+    assert 0.4 <= answer.seconds < 2
+
+
+def test_a_request_in_flight_is_bounded_while_the_engine_does_not_answer(llama, wait_s):
+    wait_s(0.4)
+
+    async def scenario(client, core):
+        core.busy_s = 0.3
+        answer, _ = await asyncio.gather(
+            asyncio.wait_for(timed_post(client, "/v1/completions", completion(llama)), 6),
+            timed_post(client, "/sleep?level=1&mode=keep", delay=0.1),
+        )
+        return answer
+
+    async def wedge_after_sleep(client, core):
+        real_sleep = core.sleep_async
+
+        async def sleep_then_wedge(level, mode):
+            await real_sleep(level, mode)
+            core.answer_s = None
+
+        core.sleep_async = sleep_then_wedge
+        return await scenario(client, core)
+
+    answer = serve_vllm(llama, wedge_after_sleep)
+    assert answer.status_code == 503 and 0.4 <= answer.seconds < 2
+
+
+def test_held_requests_share_one_engine_watcher(llama, wait_s):
+    """40 requests held for a second cost the engine about ten is_sleeping
+    calls, not ten each."""
+    wait_s(5)
+    held = 40
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=1")
+        before = core.count("is_sleeping")
+        answers = await asyncio.gather(
+            *(timed_post(client, "/v1/completions", completion(llama)) for _ in range(held)),
+            timed_post(client, "/wake_up", delay=1.0),
+        )
+        return answers[:held], core.count("is_sleeping") - before
+
+    answers, asked = serve_vllm(llama, scenario)
+    assert [a.status_code for a in answers] == [200] * held
+    assert asked <= 20, asked
+
+
+def test_requests_beyond_the_held_bound_get_503_at_once(llama, wait_s, monkeypatch):
+    monkeypatch.setenv(request_gate.MAX_HELD_ENV, "2")
+    wait_s(5)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=1")
+        answers = await asyncio.gather(
+            *(timed_post(client, "/v1/completions", completion(llama)) for _ in range(4)),
+            timed_post(client, "/wake_up", delay=1.5),
+        )
+        return answers[:4], core.added()
+
+    answers, added = serve_vllm(llama, scenario)
+    served = [a for a in answers if a.status_code == 200]
+    refused = [a for a in answers if a.status_code == 503]
+    assert len(served) == 2 and len(refused) == 2 and len(added) == 2
+    assert all(a.seconds >= 1.5 for a in served)
+    for answer in refused:
+        assert answer.seconds < 1.2 and answer.headers["retry-after"] == "1"
+        assert request_gate.MAX_HELD_ENV in answer.json()["error"]
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "1.5"])
+def test_bad_held_bound_fails_at_start_up(monkeypatch, value):
+    monkeypatch.setenv(request_gate.MAX_HELD_ENV, value)
+    with pytest.raises(ValueError, match=request_gate.MAX_HELD_ENV):
+        patch.apply()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "worker_call"),
+    [
+        ("/collective_rpc", {"method": "reload_weights"}, "reload_weights"),
+        # The dev/rlhf weight transfer route.
+        ("/update_weights", {"update_info": {}}, "update_weights"),
+        # A worker extension's loader (RL frameworks name their own).
+        ("/collective_rpc", {"method": "update_weights_from_ipc"}, "update_weights_from_ipc"),
+    ],
+)
+def test_after_level_2_and_a_full_wake_requests_wait_for_the_weights(
+    llama, wait_s, path, body, worker_call
+):
+    """The wake maps the weights back without a backup: a request must not
+    run on them before they are reloaded or updated."""
+    wait_s(5)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=2")
+        answer, *_ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)),
+            timed_post(client, "/wake_up", delay=0.2),
+            timed_post(client, path, json.dumps(body).encode(), delay=0.6),
+        )
+        return answer, core.calls
+
+    answer, calls = serve_vllm(llama, scenario)
+    assert answer.status_code == 200 and answer.seconds >= 0.6, answer.text[:300]
+    added = [i for i, call in enumerate(calls) if call[0] == "add"]
+    assert added and min(added) > calls.index(("rpc", worker_call))
+
+
+def test_after_level_2_a_started_weight_update_releases_requests_when_it_ends(llama, wait_s):
+    wait_s(5)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=2")
+        answer, *_ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)),
+            timed_post(client, "/wake_up", delay=0.2),
+            timed_post(client, "/start_weight_update", delay=0.3),
+            timed_post(client, "/update_weights", b'{"update_info": {}}', delay=0.4),
+            timed_post(client, "/finish_weight_update", delay=0.8),
+        )
+        return answer, core.calls
+
+    answer, calls = serve_vllm(llama, scenario)
+    assert answer.status_code == 200 and answer.seconds >= 0.8, answer.text[:300]
+    added = [i for i, call in enumerate(calls) if call[0] == "add"]
+    assert added and min(added) > calls.index(("rpc", "finish_weight_update"))
+
+
+def test_after_level_2_a_request_gets_503_until_the_weights_are_reloaded(llama, wait_s):
+    wait_s(0.4)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=2")
+        await timed_post(client, "/wake_up")
+        # Known to leave the weights as they are: no reload.
+        await timed_post(client, "/collective_rpc", b'{"method": "check_health"}')
+        refused = await timed_post(client, "/v1/completions", completion(llama))
+        body = json.dumps({"method": "reload_weights"}).encode()
+        await timed_post(client, "/collective_rpc", body)
+        served = await timed_post(client, "/v1/completions", completion(llama))
+        return refused, served, core.added()
+
+    refused, served, added = serve_vllm(llama, scenario)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert "reload_weights" in refused.json()["error"] and 0.4 <= refused.seconds < 2
+    assert served.status_code == 200 and len(added) == 1

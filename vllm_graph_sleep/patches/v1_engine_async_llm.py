@@ -6,7 +6,7 @@ engine core: AsyncLLM.generate and encode (so every OpenAI, Anthropic, pooling
 and token-in route) reach it via add_request, once per request (once per child
 for n > 1). Verified against vLLM 0.26.0.
 
-Why: AsleepGate (patch vllm.entrypoints.serve.dev.sleep.api_router) holds
+Why: AsleepGate (vllm_graph_sleep.request_gate) holds
 inference requests while the engine sleeps. Holding them before vLLM reads
 them made a malformed request (not JSON, not UTF-8, a prompt longer than
 max_model_len, an unknown model, ...) wait out the bound and get 503, where an
@@ -28,16 +28,12 @@ sleeping engine; 0.33 does not).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextvars import ContextVar
 from typing import Any
 
 from vllm_graph_sleep.patches._wrap import require, wrap_function
+from vllm_graph_sleep.request_gate import REQUEST_HOLD
 
 WHERE = "vllm.v1.engine.async_llm.AsyncLLM"
-
-#: The hold of the HTTP request being served: an object whose
-#: `async until_awake(engine)` returns once the request may go to the engine.
-REQUEST_HOLD: ContextVar[Any] = ContextVar("vllm_graph_sleep_request_hold", default=None)
 
 
 def _wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,8 +1,10 @@
 """The HTTP surface of a live `vllm serve` with graph offload and --api-key (GPU),
 one server for every check: the key guards the dev routes, bad /collective_rpc
-calls get an error answer and the server keeps serving, and completions sent
-while the engine sleeps are held and served after the wake (levels 1 and 2,
-staged wakes), or refused with 503 and Retry-After once the wait bound passes."""
+calls get an error answer and the server keeps serving, a repeated wake_up tag
+is a 400 that changes nothing, and completions sent while the engine sleeps are
+held and served after the wake (levels 1 and 2, staged wakes; after level 2 and
+a full wake, only once the weights are reloaded), or refused with 503 and
+Retry-After once the wait bound passes."""
 
 from __future__ import annotations
 
@@ -185,6 +187,31 @@ def test_completion_while_asleep_at_level_2_waits_for_the_last_staged_wake(http)
     assert http("POST", "/wake_up?tags=kv_cache")[0] == 200
     status, _, tokens = join()
     assert status == 200 and tokens == http.reference
+    assert_awake_and_exact(http)
+
+
+def test_completion_after_level_2_and_a_full_wake_waits_for_the_reload(http):
+    """The wake maps the weights back without their contents: stock vLLM would
+    serve the completion on them."""
+    assert http("POST", "/sleep?level=2")[0] == 200
+    thread, join = http.in_background()
+    assert http("POST", "/wake_up")[0] == 200
+    time.sleep(1)
+    assert thread.is_alive(), "answered before the weights were reloaded"
+    status, _, content = http("POST", "/collective_rpc", {"method": "reload_weights"})
+    assert status == 200, content
+    status, _, tokens = join()
+    assert status == 200 and tokens == http.reference
+    assert_awake_and_exact(http)
+
+
+def test_repeated_wake_up_tag_is_400_and_changes_nothing(http):
+    """vLLM 0.26 woke the workers, then answered 500 and left scheduling paused."""
+    assert http("POST", "/sleep?level=1")[0] == 200
+    status, _, content = http("POST", "/wake_up?tags=weights&tags=weights")
+    assert status == 400 and "given 2 times" in content["error"], content
+    assert http("GET", "/is_sleeping")[2] == {"is_sleeping": True}
+    assert http("POST", "/wake_up")[0] == 200
     assert_awake_and_exact(http)
 
 
