@@ -51,10 +51,12 @@ def main() -> int:
         "torch_op_plain": lambda: torch.ops.graph_sleep_bench.plain(x, output),
         "torch_op_marked": lambda: torch.ops.graph_sleep_bench.marked(x, output),
     }
-    ns = {
-        name: min(timeit.repeat(call, number=args.calls, repeat=args.repeats)) / args.calls * 1e9
-        for name, call in calls.items()
-    }
+    # Interleaved, best of the repeats: a busy machine slows all four alike.
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(args.repeats):
+        for name, call in calls.items():
+            best[name] = min(best[name], timeit.timeit(call, number=args.calls))
+    ns = {name: seconds / args.calls * 1e9 for name, seconds in best.items()}
     result = {
         "ns_per_call": {name: round(value, 1) for name, value in ns.items()},
         "wrapper_adds_ns": {
