@@ -17,19 +17,25 @@ With graph offload it also checksums every allocation that sleep backs up, befor
 the sleep and after the wake: a backed-up allocation whose bytes changed is a bug
 of ours, one that did not change clears the pools.
 
-    python benchmarks/upstream_sequence.py --config ours --mode PIECEWISE --breakable
+    python benchmarks/upstream_sequence.py --config ours --mode PIECEWISE --breakable --late-env
 
 `--config stock` runs stock vLLM 0.26 sleep mode (no graph offload) through the
-same steps. `--late-env` loads vLLM's general plugins in this process before
-VLLM_USE_BREAKABLE_CUDAGRAPH is set (as a test suite does when an earlier test
-made an EngineArgs) and forks the engine, as vLLM does by default; with
-`--import-attention-first` it also imports vLLM's attention layer module first,
-as a plugin that imports worker modules at load would. vLLM decides at that
-import whether attention breaks the graph, so a forked engine then captures
-attention inside its breakable graphs.
+same steps; the plugin is still loaded. `--late-env` is upstream's breakable case
+as its test is written: this process imports vLLM's attention layers before
+VLLM_USE_BREAKABLE_CUDAGRAPH is set (the test sets it with monkeypatch.setenv
+after pytest imported vLLM) and forks the engine, as vLLM does by default.
+vLLM 0.26 decides at that import whether its attention ops break the graph; the
+plugin marks them as the worker starts (vllm_graph_sleep.breakable_order).
 
-Prints one line `RESULT {json}`: per step the token ids and whether they equal
-the first generation's. Exit status: 0 when it ran, 2 without a GPU.
+With --breakable, the result also has what the worker's breakable graphs hold
+after the first generation (captured batch shapes, graph segments, eager breaks,
+and whether each imported break point is vLLM's wrapper): a breakable graph
+without eager breaks captured attention inside it.
+
+Prints one line `RESULT {json}` (and writes it to --json): per step the token ids
+and whether they equal the first generation's. Exit status: 0 when it ran and
+every step gave the first generation's tokens (and, with --breakable, the graphs
+broke), 1 otherwise, 2 without a GPU.
 """
 
 from __future__ import annotations
@@ -47,12 +53,9 @@ PROMPT = "How are you?"
 MAX_TOKENS = 10
 
 
-def load_plugins_early(import_attention: bool) -> None:
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()
-    if import_attention:
-        import vllm.model_executor.layers.attention.attention  # noqa: F401
+def import_attention_first() -> None:
+    """What a test process has imported before its test sets the variable."""
+    import vllm.model_executor.layers.attention.attention  # noqa: F401
 
 
 def set_env(breakable: bool, in_process: bool) -> None:
@@ -111,7 +114,7 @@ def main() -> int:
     parser.add_argument("--breakable", action="store_true")
     parser.add_argument("--in-process", action="store_true", help="engine in this process")
     parser.add_argument("--late-env", action="store_true")
-    parser.add_argument("--import-attention-first", action="store_true")
+    parser.add_argument("--json", help="also write the result to this file")
     parser.add_argument("--kind", default="llama")
     parser.add_argument("--model", help="model directory (default: made locally)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -123,7 +126,7 @@ def main() -> int:
         return 2
     if args.late_env:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-        load_plugins_early(args.import_attention_first)
+        import_attention_first()
     set_env(args.breakable, args.in_process)
 
     from vllm import LLM, SamplingParams
@@ -153,6 +156,12 @@ def main() -> int:
 
     reference = generate()
     steps: list[dict[str, Any]] = []
+    breakable = None
+    if args.breakable:
+        from vllm_graph_sleep.breakable_order import capture_report
+
+        breakable = llm.collective_rpc(capture_report)[0]
+        print(f"BREAKABLE {json.dumps(breakable)}", flush=True)
 
     def record(name: str, extra: dict | None = None) -> None:
         tokens = generate()
@@ -186,8 +195,14 @@ def main() -> int:
     record("full_wake")
     record("level2", staged(2))
     record("repeat_3")
-    print("RESULT " + json.dumps({"config": vars(args), "reference": reference, "steps": steps}))
-    return 0
+    result = {"config": vars(args), "reference": reference, "steps": steps, "breakable": breakable}
+    print("RESULT " + json.dumps(result), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    broke = breakable is None or (
+        breakable["eager_breaks"] > 0 and all(breakable["break_points"].values())
+    )
+    return 0 if broke and all(step["same"] for step in steps) else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -46,7 +47,7 @@ from vllm_graph_sleep.allocator import (
     WEIGHTS_TAG,
     env_switch,
 )
-from vllm_graph_sleep.breakable_order import captures_breakable_graphs
+from vllm_graph_sleep.breakable_order import AUTO_BREAKABLE_ARCHITECTURES, BREAKABLE_ENV
 
 PLATFORM_CHOICES = ("detected", "cuda", "rocm")
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -339,16 +340,50 @@ def graphs_state(engine_args: Any, resolved: Any) -> tuple[bool, str, str]:
     )
 
 
-def breakable_order_warning(resolved: Any) -> str | None:
-    """Breakable graphs need VLLM_USE_BREAKABLE_CUDAGRAPH set before vLLM's
-    attention layers are imported (vllm_graph_sleep.breakable_order)."""
-    if not captures_breakable_graphs(resolved.compilation_config.cudagraph_mode):
-        return None
+def _local_architectures(model: str) -> list[str]:
+    """The architectures a local model folder's config.json names (none for a Hub id)."""
+    path = os.path.join(os.path.expanduser(model), "config.json")
+    try:
+        with open(path) as config:
+            architectures = json.load(config).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [name for name in architectures if isinstance(name, str)]
+
+
+def breakable_graphs(
+    resolved: Any, model: str, environ: Mapping[str, str]
+) -> tuple[str, str | None]:
+    """Which case of vLLM's breakable CUDA graphs these arguments are in, and a
+    warning for the one the plugin cannot help with (vllm_graph_sleep.breakable_order)."""
+    value = environ.get(BREAKABLE_ENV)
+    auto = [name for name in _local_architectures(model) if name in AUTO_BREAKABLE_ARCHITECTURES]
+    if value == "1":
+        why = f"{BREAKABLE_ENV}=1"
+    elif value is None and auto:
+        why = f"vLLM turns {BREAKABLE_ENV} on for {auto[0]}"
+    elif auto:
+        return f"off: {BREAKABLE_ENV}={value!r} opts out of what vLLM turns on for {auto[0]}", None
+    elif value is None:
+        return f"off ({BREAKABLE_ENV} unset)", None
+    else:
+        return f"off ({BREAKABLE_ENV}={value!r})", None
+    mode = resolved.compilation_config.cudagraph_mode
+    if mode is None or not mode.has_piecewise_cudagraphs():
+        return f"on ({why}), but cudagraph_mode {_mode_name(mode)} captures attention whole", None
+    allowed = environ.get("VLLM_PLUGINS")
+    if allowed is not None and ENTRY_POINT_NAME not in allowed.split(","):
+        return f"on ({why}), without the plugin (VLLM_PLUGINS={allowed!r})", (
+            f"without the plugin, {BREAKABLE_ENV} must be in effect before the process that "
+            "starts the engine imports vLLM's attention layers: otherwise vLLM 0.26 captures "
+            "attention inside its breakable graphs and fails at the first request with an "
+            f"illegal memory access; add {ENTRY_POINT_NAME} to VLLM_PLUGINS"
+        )
     return (
-        "VLLM_USE_BREAKABLE_CUDAGRAPH=1 must be set before the process that starts the engine "
-        "imports vLLM's attention layers: otherwise vLLM 0.26 captures attention inside its "
-        "breakable graphs and fails at the first request with an illegal memory access, stock "
-        "vLLM too (the plugin stops such an engine at start, naming the cause)"
+        f"on ({why}): graphs break at the ops vLLM marks (attention, MLA attention, the sparse "
+        "attention indexer); ops imported before the variable was set are marked as each "
+        "worker starts, so the import order does not matter",
+        None,
     )
 
 
@@ -653,7 +688,9 @@ def diagnose(
         diag.problems.append(
             (missing_model, "give the folder that holds the model's config.json, or a Hub id")
         )
-    for warning in (full_mode_warning(resolved), breakable_order_warning(resolved)):
+    breakable, breakable_warning = breakable_graphs(resolved, engine_args.model, environ)
+    diag.add("breakable graphs", breakable)
+    for warning in (full_mode_warning(resolved), breakable_warning):
         if warning:
             diag.warnings.append(warning)
     if gate.active:

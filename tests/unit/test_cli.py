@@ -1148,16 +1148,53 @@ def test_doctor_warns_about_full_mode_on_either_model_runner(
 
 
 @pytest.mark.parametrize(
-    ("mode", "env", "warned"),
-    [("PIECEWISE", "1", True), ("FULL_AND_PIECEWISE", "1", True), ("PIECEWISE", "0", False)],
+    ("mode", "env", "plugins", "expected"),
+    [
+        ("PIECEWISE", "1", None, "on (VLLM_USE_BREAKABLE_CUDAGRAPH=1): graphs break at the ops"),
+        ("FULL_AND_PIECEWISE", "1", None, "on (VLLM_USE_BREAKABLE_CUDAGRAPH=1): graphs break"),
+        ("FULL", "1", None, "on (VLLM_USE_BREAKABLE_CUDAGRAPH=1), but cudagraph_mode FULL"),
+        ("PIECEWISE", "0", None, "off (VLLM_USE_BREAKABLE_CUDAGRAPH='0')"),
+        ("PIECEWISE", None, None, "off (VLLM_USE_BREAKABLE_CUDAGRAPH unset)"),
+        ("PIECEWISE", "1", "other", "on (VLLM_USE_BREAKABLE_CUDAGRAPH=1), without the plugin"),
+    ],
 )
-def test_doctor_warns_that_breakable_graphs_need_the_variable_before_attention_imports(
-    capsys, monkeypatch, mode, env, warned
+def test_doctor_says_which_breakable_graph_case_a_command_line_is_in(
+    capsys, monkeypatch, mode, env, plugins, expected
 ):
-    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", env)
+    """Only without the plugin does the import order still matter (its warning)."""
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", env)
+    if plugins is not None:
+        monkeypatch.setenv("VLLM_PLUGINS", plugins)
     code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, "-cc.cudagraph_mode", mode)
-    assert code == 0
-    assert ("must be set before the process that starts the engine imports" in out) == warned, out
+    assert code == (0 if plugins is None else 1), out
+    assert line_of(out, "breakable graphs").split(None, 2)[2].startswith(expected), out
+    warned = "must be in effect before the process that starts the engine imports" in out
+    assert warned == (plugins is not None), out
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (None, "on (vLLM turns VLLM_USE_BREAKABLE_CUDAGRAPH on for DeepseekV4ForCausalLM)"),
+        ("0", "off: VLLM_USE_BREAKABLE_CUDAGRAPH='0' opts out of what vLLM turns on for Deep"),
+    ],
+)
+def test_doctor_knows_the_architectures_vllm_turns_breakable_graphs_on_for(
+    capsys, monkeypatch, tmp_path, env, expected
+):
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", env)
+    (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV4ForCausalLM"]}')
+    code, out = run_doctor(
+        capsys, "--platform", "cuda", str(tmp_path), *ACTIVE[1:], "-cc.cudagraph_mode", "PIECEWISE"
+    )
+    assert code == 0, out
+    assert line_of(out, "breakable graphs").split(None, 2)[2].startswith(expected), out
 
 
 @pytest.mark.parametrize(

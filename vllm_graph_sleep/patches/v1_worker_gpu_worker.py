@@ -36,10 +36,22 @@ gate is on in this worker, this patch
   first, with graph offload on or off.
 With the gate off every wrapper calls straight through (stock behaviour),
 except that init_device, on or off, first
-- stops an engine whose breakable graphs would capture attention because vLLM's
-  attention modules were imported before VLLM_USE_BREAKABLE_CUDAGRAPH was set
-  (vllm_graph_sleep.breakable_order: stock vLLM 0.26 fails at the first request
-  with an illegal memory access there);
+- makes the ops vLLM marks with eager_break_during_capture break points of
+  breakable graphs if VLLM_USE_BREAKABLE_CUDAGRAPH is in effect in this worker
+  but their modules were imported before it was set (a process that set it
+  later, or a model VllmConfig.__post_init__ turns it on for, and a forked
+  engine: stock vLLM 0.26 then captures attention inside its breakable graphs
+  and fails at the first request with an illegal memory access). It applies
+  vLLM's own decorator again and rebinds the module or class attribute, the
+  copies other vLLM modules imported by value and the torch op's kernel
+  (vllm_graph_sleep.breakable_order). Safe: the worker then runs exactly what
+  it runs when the variable is set before the import; vLLM's wrapper acts only
+  inside a BreakableCUDAGraphCapture, which only breakable graphs open, and
+  calls straight through everywhere else. Cost: with the variable off, none
+  (nothing is touched); with it on, each call of a marked op outside a capture
+  pays vLLM's wrapper (one thread-local lookup and one Python call), as it does
+  with the variable set in time. What cannot be marked (a vLLM whose break
+  points differ from 0.26.0's) stops the worker, naming the op and the fix;
 - notes the private pools an earlier engine of this process left
   (probe.remember_pools_of_earlier_engines), so the probe does not count them
   as graphs of this engine that escaped our pool.
@@ -64,7 +76,7 @@ from vllm_graph_sleep.allocator import (
     check_switches,
     format_bytes,
 )
-from vllm_graph_sleep.breakable_order import check_attention_breaks
+from vllm_graph_sleep.breakable_order import mark_break_points
 from vllm_graph_sleep.patches._wrap import require, wrap_function
 from vllm_graph_sleep.probe import remember_pools_of_earlier_engines
 
@@ -136,7 +148,13 @@ def _describe_bytes(per_tag: dict[str, int]) -> str:
 
 def _wrap_init_device(original):
     def init_device(self, *args, **kwargs):
-        check_attention_breaks(self.vllm_config)
+        marked = mark_break_points()
+        if marked:
+            logger.info(
+                "graph-sleep: VLLM_USE_BREAKABLE_CUDAGRAPH=1 here, but %s were imported before "
+                "it was set; made them vLLM's break points of breakable CUDA graphs",
+                ", ".join(marked),
+            )
         remember_pools_of_earlier_engines()
         gate = config.evaluate_gate(self.vllm_config)
         config.warn_if_ineffective(gate)
