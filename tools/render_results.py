@@ -658,6 +658,22 @@ def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
     return Section(title, name, lines, "cuda" if host.get("gpus") else None)
 
 
+#: The bench's charts of a run, drawn beside its JSON by `vllm-graph-sleep bench
+#: --report FILE.json` (vllm_graph_sleep/bench/charts.py): file suffix, alt text.
+BENCH_CHARTS = (
+    (".asleep.png", "Asleep memory per configuration, with the floor"),
+    (".wake.png", "Level-1 wake per configuration, full and staged"),
+)
+
+
+def _link_bench_charts(section: Section, results_dir: Path) -> None:
+    """Shows the bench's charts of the run under its table, where they were drawn."""
+    stem = Path(section.source).stem
+    for suffix, alt in BENCH_CHARTS:
+        if (results_dir / f"{stem}{suffix}").is_file():
+            section.lines += ["", f"![{alt}]({stem}{suffix})"]
+
+
 RENDERERS: tuple[tuple[Callable[[Any], bool], Callable[..., Section]], ...] = (
     (is_bench_run, render_bench_run),
     (is_allocator_bench, render_allocator_bench),
@@ -690,6 +706,8 @@ def render(results_dir: Path) -> dict[str, str]:
         for matches, renderer in RENDERERS:
             if matches(data):
                 sections.append(renderer(path.name, data, charts))
+                if renderer is render_bench_run:
+                    _link_bench_charts(sections[-1], results_dir)
                 break
         else:
             unrecognised.append(path.name)
