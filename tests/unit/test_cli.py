@@ -871,7 +871,7 @@ def test_bench_says_what_a_starting_server_does_while_it_waits(fake_bench, monke
     # The fake logs vLLM's "init engine ... took" line, then keeps /health at 503.
     assert len(waits) >= 3, waits
     assert all(
-        re.search(r"\] \[ours\] waiting for /health: \d+ s, vLLM is starting the HTTP server$", w)
+        re.search(r"\] \[ours\] waiting for /health: \d+ s \(vLLM: starting the HTTP server\)$", w)
         for w in waits
     ), waits
 

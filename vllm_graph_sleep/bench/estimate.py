@@ -14,7 +14,7 @@ from vllm_graph_sleep.bench.settings import BenchSettings
 
 #: One `vllm serve` start to /health; a host's first start pays more (nothing
 #: cached yet), a start with warm caches less.
-START_S = 70.0
+START_S = 60.0
 #: Stopping a server, its memory back, the next configuration's idle baseline.
 STOP_S = 3.0
 #: Making the default model, the first time (it is cached in --cache-dir).

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 #: Before vLLM logs anything: the API server's Python imports.
-IMPORTING = "importing vLLM"
+IMPORTING = "importing Python modules"
 
 #: (text of a vLLM 0.26 log line, what the server does from that line on).
 PHASES: tuple[tuple[str, str], ...] = (

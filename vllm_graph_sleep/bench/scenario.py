@@ -118,7 +118,7 @@ class Scenario:
     def _waiting(self, what: str) -> Callable[[float, str], None]:
         """The progress of a start: seconds so far and what vLLM's log says it does."""
         return lambda seconds, phase: self._say(
-            f"waiting for {what}: {seconds:.0f} s, vLLM is {phase}"
+            f"waiting for {what}: {seconds:.0f} s (vLLM: {phase})"
         )
 
     def _report(self) -> list[dict[str, Any]] | None:

@@ -82,7 +82,7 @@ def _start_once(
         f"http://127.0.0.1:{port}",
         settings.start_timeout,
         lambda waited, phase: progress(
-            f"[{name}] start round {number}: {waited:.0f} s, vLLM is {phase}"
+            f"[{name}] start round {number}: {waited:.0f} s (vLLM: {phase})"
         ),
     )
     return {"start_s": round(seconds, 3), "engine_init": server.engine_init(), "log": str(log)}
