@@ -671,6 +671,22 @@ def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
     return Section(title, name, lines, "cuda" if host.get("gpus") else None)
 
 
+#: The bench's charts of a run, drawn beside its JSON by `vllm-graph-sleep bench
+#: --report FILE.json` (vllm_graph_sleep/bench/charts.py): file suffix, alt text.
+BENCH_CHARTS = (
+    (".asleep.png", "Asleep memory per configuration, with the floor"),
+    (".wake.png", "Level-1 wake per configuration, full and staged"),
+)
+
+
+def _link_bench_charts(section: Section, results_dir: Path) -> None:
+    """Shows the bench's charts of the run under its table, where they were drawn."""
+    stem = Path(section.source).stem
+    for suffix, alt in BENCH_CHARTS:
+        if (results_dir / f"{stem}{suffix}").is_file():
+            section.lines += ["", f"![{alt}]({stem}{suffix})"]
+
+
 RENDERERS: tuple[tuple[Callable[[Any], bool], Callable[..., Section]], ...] = (
     (is_bench_run, render_bench_run),
     (is_allocator_bench, render_allocator_bench),
@@ -749,6 +765,8 @@ def render(results_dir: Path) -> dict[str, str]:
             if matches(data):
                 sections.append(renderer(path.name, data, charts))
                 data_rows.append((path.name, data, DATA_KINDS[renderer]))
+                if renderer is render_bench_run:
+                    _link_bench_charts(sections[-1], results_dir)
                 break
         else:
             data_rows.append((path.name, data, "not rendered (format not recognised)"))

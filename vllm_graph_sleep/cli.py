@@ -139,9 +139,10 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=_non_negative_int,
         default=BenchSettings.warm_starts,
         metavar="N",
-        help="start each configuration's server N times to /health and stop it before the "
-        "measured start, so engine start is measured with warm compile caches; 0 measures "
-        "the first start (default %(default)s)",
+        help="the start-time comparison: start each configuration's server N times to "
+        "/health and stop it before the measured start, so engine start is measured with "
+        "warm compile caches (2 warms both of vLLM's Triton caches; each start adds about a "
+        "minute); 0 measures each configuration's first start (default %(default)s)",
     )
     parser.add_argument(
         "--start-rounds",
@@ -193,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
             help="run stock vs ours through sleep/wake cycles on this GPU; table, JSON, PNG",
             description="Starts a real `vllm serve` per configuration and measures sleep "
             "and wake: memory (NVML and per tag), latency, engine start, decode speed, "
-            "bit-exact tokens after every wake. Needs an NVIDIA GPU.",
+            "bit-exact tokens after every wake. Needs an NVIDIA GPU; says before it starts "
+            "how long it will take (a few minutes with the defaults). Writes results.json, "
+            "table.txt and, with the bench extra (matplotlib), memory.png, asleep.png and "
+            "wake.png.",
         )
     )
     commands.add_parser(
@@ -241,12 +245,12 @@ def bench_main(args: argparse.Namespace) -> int:
 
     if args.report is not None:
         try:
-            table, png = rerender(args.report, args.out)
+            table, pngs, missing = rerender(args.report, args.out)
         except (OSError, ValueError) as error:
             names = " ".join(map(str, args.report))
             return _fail(f"cannot use {names}: {error}", EXIT_USAGE)
         print(table)
-        print(f"plot: {png}")
+        print(_plots_line(pngs, missing))
         return 0
 
     from vllm_graph_sleep.bench.gpu import NoGpuError, NvmlMemory
@@ -267,10 +271,16 @@ def bench_main(args: argparse.Namespace) -> int:
         return _fail("interrupted (servers stopped)", EXIT_INTERRUPTED)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    table, json_path, png = write_outputs(results, settings.out)
+    table, json_path, pngs, missing = write_outputs(results, settings.out)
     print(table)
-    print(f"results: {json_path}\nplot:    {png}\nlogs:    {settings.out}/*.server.log")
+    print(
+        f"results: {json_path}\n{_plots_line(pngs, missing)}\nlogs:    {settings.out}/*.server.log"
+    )
     return bench_verdict(results)
+
+
+def _plots_line(pngs: list[Path], missing: str | None) -> str:
+    return f"plots:   {missing}" if missing else "plots:   " + ", ".join(map(str, pngs))
 
 
 def bench_verdict(results: dict) -> int:

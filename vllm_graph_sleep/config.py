@@ -5,6 +5,7 @@ host without NVLink multicast."""
 from __future__ import annotations
 
 import contextvars
+import copy
 import dataclasses
 import logging
 import os
@@ -70,6 +71,26 @@ def flag_value(value: Any) -> bool:
 def flag_requested(vllm_config: Any) -> bool:
     additional = getattr(vllm_config, "additional_config", None) or {}
     return flag_value(additional.get(FLAG))
+
+
+def hashed_as(vllm_config: Any) -> Any:
+    """The config that vLLM's config hash should see: `vllm_config` itself, or,
+    where additional_config carries our flag, a shallow copy without it.
+
+    vLLM keys its torch.compile and AOT caches (and the FlashInfer autotune
+    cache) by VllmConfig.compute_hash, which hashes all of additional_config, so
+    the flag alone sent a server with it on to a fresh compile of code that does
+    not depend on it: the flag decides which pool CUDA graphs are captured into
+    and what sleep and wake do with it, all at run time after compilation, while
+    what the compiled code depends on (model, shapes, compilation config with its
+    cudagraph mode, capture sizes and passes) is hashed in its own right. Other
+    keys of additional_config still count."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, dict) or FLAG not in additional:
+        return vllm_config
+    view = copy.copy(vllm_config)  # the sub-configs are shared, not copied
+    view.additional_config = {k: v for k, v in additional.items() if k != FLAG}
+    return view
 
 
 def _cudagraphs_off(vllm_config: Any) -> bool:

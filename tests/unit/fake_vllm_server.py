@@ -320,6 +320,9 @@ def main() -> int:
     parser.add_argument("--pressure-file", type=Path)
     args = parser.parse_args()
     print(f"fake-vllm: serving {args.config} on {args.port}", flush=True)
+    # What `vllm serve` does when VLLM_WORKER_MULTIPROC_METHOD is unset: spawn.
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    print(f"fake-vllm: engine core started by {method}", flush=True)
     coding = os.environ.get("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", "1")  # on by default on CUDA
     print(f"fake-vllm: weight backups {'coded' if coding == '1' else 'raw'}", flush=True)
     Handler.state = State(args.config, args.used_file, args.pressure_file)

@@ -32,7 +32,17 @@ from tests.unit import fake_aiter
 from tests.unit.fake_vllm_server import IDLE
 from vllm_graph_sleep import cli, config, doctor
 from vllm_graph_sleep.allocator import HOST_BUFFERS_ENV, SWITCH_ENVS
-from vllm_graph_sleep.bench import floor, gpu, report, runner
+from vllm_graph_sleep.bench import (
+    charts,
+    estimate,
+    floor,
+    gpu,
+    phases,
+    plot,
+    report,
+    runner,
+    server,
+)
 from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, ServerError, serve_command, server_env
@@ -61,7 +71,9 @@ def test_bench_defaults():
     assert s.wakes == ("full", "staged")
     assert s.configs == ("ours", "stock_graphs", "stock_eager")
     assert s.out is None and s.serve_args == ()
-    assert s.warm_starts == 2  # both of vLLM's Triton caches are warm when measured
+    # The start-time comparison with warm caches is asked for (--warm-starts 2):
+    # the starts are what a run's time goes to.
+    assert s.warm_starts == 0
     assert s.start_rounds == 0
     assert s.floor is True
 
@@ -208,6 +220,12 @@ def test_server_env_turns_dev_mode_on_and_keeps_the_rest():
     assert server_env({})["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
 
 
+def test_the_bench_forks_its_engine_cores_unless_told_otherwise():
+    assert server.with_forked_engine_core({})[server.MULTIPROC_METHOD] == "fork"
+    kept = server.with_forked_engine_core({server.MULTIPROC_METHOD: "spawn", "A": "1"})
+    assert kept == {server.MULTIPROC_METHOD: "spawn", "A": "1"}
+
+
 def test_server_env_keeps_flashinfer_all_reduce_off_multicast_where_it_is_off():
     assert server_env({"NCCL_NVLS_ENABLE": "0"})["VLLM_FLASHINFER_ALLREDUCE_BACKEND"] == "trtllm"
     assert "VLLM_FLASHINFER_ALLREDUCE_BACKEND" not in server_env({})
@@ -323,6 +341,52 @@ def test_plot_of_recorded_data(recorded, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
 
 
+def _bar_heights(ax) -> list[float]:
+    return [round(patch.get_height(), 3) for patch in ax.patches]
+
+
+def test_the_asleep_chart_shows_each_configuration_and_level_and_the_floor(recorded):
+    summary = report.summarize_all(recorded)
+    with_floor = {
+        **recorded,
+        "floor": {"what": floor.WHAT, "baseline_used_bytes": [0], "used_bytes": [455 * MiB]},
+    }
+    for results, floor_drawn in ((recorded, False), (with_floor, True)):
+        (ax,) = charts.asleep_figure(results).axes
+        # Level 1 for every configuration, then level 2, in the table's order.
+        want = [summary[name]["asleep_mib"][level][0] for level in "12" for name in summary]
+        assert _bar_heights(ax) == [round(v, 3) for v in want]
+        assert [t.get_text() for t in ax.get_xticklabels()] == [
+            "ours (graph offload)",
+            "stock, graphs",
+            "stock, eager",
+        ]
+        floors = [line for line in ax.lines if list(line.get_ydata()) == [455.0, 455.0]]
+        assert bool(floors) == floor_drawn
+        texts = [t.get_text() for t in ax.texts]
+        assert any(t.startswith(charts.FLOOR_LABEL) for t in texts) == floor_drawn
+
+
+def test_the_wake_chart_shows_the_level_1_wakes_full_and_staged(recorded):
+    summary = report.summarize_all(recorded)
+    (ax,) = charts.wake_figure(recorded).axes
+    want = [summary[name]["wake_ms"][key] for key in ("1 full", "1 staged") for name in summary]
+    assert _bar_heights(ax) == [round(v, 3) for v in want]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "full wake",
+        "staged: weights, then kv_cache",
+    ]
+
+
+def test_a_run_of_one_level_and_one_wake_mode_charts_what_it_has(recorded):
+    for record in recorded["configs"]:
+        record["steps"] = [s for s in record["steps"] if (s["level"], s["wake"]) == (1, "full")]
+    (asleep,) = charts.asleep_figure(recorded).axes
+    (wake,) = charts.wake_figure(recorded).axes
+    assert len(asleep.patches) == len(wake.patches) == 3
+    assert [t.get_text() for t in wake.get_legend().get_texts()] == ["full wake"]
+
+
 def two_gpus(results: dict) -> dict:
     """The recorded single-GPU run as if tp were 2 (GPU 1 holds 10 MiB more)."""
     extra = 10 * MiB
@@ -383,6 +447,11 @@ def test_report_option_redraws_a_recorded_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "asleep L1, over idle GPU (MiB)" in out
     assert (tmp_path / "bench-results-fixture.png").stat().st_size > 20_000
+    # The charts beside the memory plot, where tools/render_results.py links them.
+    stem = tmp_path / "bench-results-fixture"
+    charts_drawn = [Path(f"{stem}.png"), Path(f"{stem}.asleep.png"), Path(f"{stem}.wake.png")]
+    assert all(png.read_bytes()[:4] == b"\x89PNG" for png in charts_drawn)
+    assert "plots:   " + ", ".join(map(str, charts_drawn)) in out
     assert (tmp_path / "bench-results-fixture.table.txt").read_text().startswith(" ")
 
 
@@ -398,7 +467,7 @@ def test_report_option_merges_runs_of_different_configs(recorded, tmp_path, caps
     assert [c["config"] for c in merged["configs"]] == ["ours", "stock_graphs", "stock_eager"]
     assert merged["merged_from"] == [str(p) for p in paths]
     assert "1104 (0.88x)" in capsys.readouterr().out
-    assert (tmp_path / "merged.png").exists()
+    assert all((tmp_path / f"merged{end}").exists() for end in (".png", ".asleep.png", ".wake.png"))
     assert cli.main(["bench", "--report", str(paths[0]), str(paths[0])]) == cli.EXIT_USAGE
     assert "'ours' is in more than one file" in capsys.readouterr().err
 
@@ -543,20 +612,25 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
         assert record["server_exit_code"] is not None
         assert record["awake_report"][0]["tags"]["weights"]["mapped"] == 200 * MiB
         assert record["samples"]["t"] and record["events"][0]["kind"] == "ready"
-        assert (out / f"{record['config']}.server.log").read_text().startswith("$ ")
-        # Two warm-up starts per configuration, each with its own log, before the measured one.
-        assert len(record["warm_up_start_s"]) == 2 and min(record["warm_up_start_s"]) > 0
-        for number in (1, 2):
-            warm_log = out / f"{record['config']}.warm-start-{number}.server.log"
-            assert warm_log.read_text().startswith("$ ")
+        server_log = (out / f"{record['config']}.server.log").read_text()
+        assert server_log.startswith("$ ")
+        # By default one start per configuration, the measured one, its engine core forked.
+        assert record["warm_up_start_s"] == [] and not list(out.glob("*.warm-start-*"))
+        assert "fake-vllm: engine core started by fork" in server_log
         assert record["log"] == str(out / f"{record['config']}.server.log")
-        # Samples and events count from the measured start, not from the warm-up's.
         assert record["ready_t"] <= record["start_s"] + 0.2
         # vLLM's own figure for its engine core, read from the server log.
         compile_s = 0.0 if record["config"] == "stock_eager" else 1.25
         assert record["engine_init"] == {"engine_init_s": 6.5, "compile_s": compile_s}
-    assert "engine start, first of the run (s)" in captured.out
     assert "engine core init, vLLM's log (s)" in captured.out
+    assert "engine start: each configuration's first start in this run" in captured.out
+    assert results["engine_core_start"] == "fork"
+    # Said before it starts, how long the run will take; recorded with how long it took.
+    assert "this run takes about" in captured.err.splitlines()[1]
+    assert "3 configuration(s), 3 `vllm serve` start(s)" in captured.err
+    assert results["estimate_s"] == round(estimate.estimate_s(bench_settings(argv[1:]), False), 1)
+    assert 0 < results["duration_s"] < 600
+    assert f"measured in {estimate.minutes(results['duration_s'])}" in captured.err
     # The floor, measured once before the first server, and let go before it started.
     assert results["floor"]["used_bytes"] == [IDLE + FLOOR_MIB * MiB]
     assert results["floor"]["baseline_used_bytes"] == [IDLE]
@@ -579,7 +653,11 @@ def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
     assert "asleep L1: stack reservation (MiB)" in captured.out
     stacks = [summary[c]["ledger_asleep"]["1"][0]["stack_reservation"] for c in by_name]
     assert stacks == [0, 264 * MiB, 264 * MiB]
-    assert (out / "memory.png").stat().st_size > 20_000
+    for png in ("memory.png", "asleep.png", "wake.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plots:   {out / 'memory.png'}, {out / 'asleep.png'}, {out / 'wake.png'}" in (
+        captured.out
+    )
     assert (out / "table.txt").read_text() in captured.out
 
 
@@ -730,6 +808,23 @@ def test_the_floor_waits_until_its_child_has_given_the_memory_back(tmp_path, mon
     assert memory.used() == [IDLE]  # back before the first server's baseline
 
 
+def test_bench_without_matplotlib_says_how_to_get_the_plots_in_one_line(
+    fake_bench, monkeypatch, capsys
+):
+    argv, out = fake_bench
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    assert cli.main([*argv, "--configs", "ours", "--levels", "1", "--no-floor"]) == 0
+    printed = capsys.readouterr().out
+    (line,) = [line for line in printed.splitlines() if line.startswith("plots:")]
+    assert line == f"plots:   {plot.MATPLOTLIB_MISSING}"
+    assert "pip install 'vllm-graph-sleep[bench]'" in line
+    assert (out / "results.json").is_file() and (out / "table.txt").is_file()
+    assert not list(out.glob("*.png"))
+    # A recorded run's table still prints, with the same line instead of the plots.
+    assert cli.main(["bench", "--report", str(out / "results.json")]) == 0
+    assert "plots:   matplotlib is not installed" in capsys.readouterr().out
+
+
 def test_bench_without_the_floor(fake_bench, capsys):
     argv, out = fake_bench
     assert cli.main([*argv, "--configs", "ours", "--levels", "1", "--no-floor"]) == 0
@@ -744,6 +839,101 @@ def test_bench_without_warm_starts_measures_the_first_start(fake_bench, capsys):
     (record,) = json.loads((out / "results.json").read_text())["configs"]
     assert record["warm_up_start_s"] == []
     assert not list(out.glob("*.warm-start-*"))
+
+
+def test_bench_warm_starts_measure_the_start_with_warm_caches(fake_bench, capsys):
+    argv, out = fake_bench
+    argv += ["--configs", "ours", "stock_eager", "--levels", "1", "--no-floor"]
+    assert cli.main([*argv, "--warm-starts", "2"]) == 0
+    captured = capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    for record in results["configs"]:
+        # Two warm-up starts per configuration, each with its own log, before the measured one.
+        assert len(record["warm_up_start_s"]) == 2 and min(record["warm_up_start_s"]) > 0
+        for number in (1, 2):
+            warm_log = out / f"{record['config']}.warm-start-{number}.server.log"
+            assert warm_log.read_text().startswith("$ ")
+        assert record["log"] == str(out / f"{record['config']}.server.log")
+        # Samples and events count from the measured start, not from the warm-up's.
+        assert record["ready_t"] <= record["start_s"] + 0.2
+    assert "engine start, first of the run (s)" in captured.out
+    assert "engine start: after 2 warm-up start(s) of the same configuration" in captured.out
+    assert "2 configuration(s), 6 `vllm serve` start(s)" in captured.err
+
+
+def test_bench_says_what_a_starting_server_does_while_it_waits(fake_bench, monkeypatch, capsys):
+    argv, out = fake_bench
+    monkeypatch.setattr(server, "PROGRESS_EVERY_S", 0.2)
+    monkeypatch.setenv("FAKE_START_DELAY", "1.5")
+    argv += ["--configs", "ours", "--levels", "1", "--wakes", "full", "--no-floor"]
+    assert cli.main(argv) == 0
+    waits = [line for line in capsys.readouterr().err.splitlines() if "waiting for" in line]
+    # The fake logs vLLM's "init engine ... took" line, then keeps /health at 503.
+    assert len(waits) >= 3, waits
+    assert all(
+        re.search(r"\] \[ours\] waiting for /health: \d+ s \(vLLM: starting the HTTP server\)$", w)
+        for w in waits
+    ), waits
+
+
+VLLM_START = """\
+$ python -m vllm.entrypoints.cli.main serve /m --port 1
+(APIServer pid=1) INFO 12-01 22:21:12 [api_utils.py:273] non-default args: {'model': '/m'}
+(APIServer pid=1) INFO 12-01 22:21:12 [model.py:623] Resolved architecture: LlamaForCausalLM
+(EngineCore pid=2) INFO 12-01 22:21:27 [core.py:116] Initializing a V1 LLM engine (v0.26.0) with
+(EngineCore pid=2) INFO 12-01 22:21:29 [model_runner.py:284] Loading model from scratch...
+(EngineCore pid=2) INFO 12-01 22:21:31 [model_runner.py:305] Model loading took 0.19 GiB and 2.4 s
+(EngineCore pid=2) INFO 12-01 22:21:43 [monitor.py:53] torch.compile took 11.57 s in total
+(EngineCore pid=2) INFO 12-01 22:21:45 [gpu_worker.py:560] Available KV cache memory: 41.26 GiB
+(EngineCore pid=2) INFO 12-01 22:21:47 [model_runner.py:747] Graph capturing finished in 2 secs
+(EngineCore pid=2) INFO 12-01 22:21:59 [core.py:340] init engine (profile, create kv cache, \
+warmup model) took 27.85 s (compilation: 11.57 s)
+(APIServer pid=1) INFO:     Application startup complete.
+"""
+
+
+def test_the_phase_of_a_server_log_is_that_of_its_last_known_line():
+    lines = VLLM_START.splitlines()
+    seen = [phases.phase_of("\n".join(lines[: n + 1])) for n in range(len(lines))]
+    assert seen == [
+        phases.IMPORTING,
+        "inspecting the model",
+        "starting the engine core",
+        "initializing the engine",
+        "loading the weights",
+        "first forward pass (torch.compile unless eager)",
+        "profiling memory",
+        "allocating the KV cache, capturing CUDA graphs",
+        "warming up kernels (Triton JIT)",
+        "starting the HTTP server",
+        "answering /health",
+    ]
+    # Lines a phase does not know leave the phase as it was; the V1 runner's load line counts.
+    resolved = "\n".join(lines[:3])
+    assert phases.phase_of(resolved + "\nsomething else\n") == "starting the engine core"
+    assert phases.phase_of("[gpu_model_runner.py] Starting to load model /m...") == (
+        "loading the weights"
+    )
+
+
+def test_the_phase_of_a_log_not_written_yet_is_the_import(tmp_path):
+    assert phases.phase_of_log(tmp_path / "none.log") == phases.IMPORTING
+
+
+def test_the_estimate_counts_every_start_and_step():
+    default = bench_settings([])
+    assert estimate.server_starts(default) == 3
+    base = estimate.estimate_s(default, model_to_make=False)
+    assert estimate.estimate_s(default, model_to_make=True) == base + estimate.MODEL_S
+    warm = bench_settings(["--warm-starts", "2", "--start-rounds", "1"])
+    assert estimate.server_starts(warm) == 12
+    assert estimate.estimate_s(warm, False) - base == 9 * (estimate.START_S + estimate.STOP_S)
+    one = bench_settings(["--configs", "ours", "--cycles", "1", "--no-floor"])
+    fixed, per_step = estimate.OTHER_MEASURE_S
+    assert estimate.estimate_s(one, False) == estimate.START_S + estimate.STOP_S + fixed + (
+        4 * per_step
+    )
+    assert [estimate.minutes(s) for s in (44.6, 60, 245.2)] == ["45 s", "1 min 00 s", "4 min 05 s"]
 
 
 def test_bench_start_rounds_alternate_and_report_medians(fake_bench, capsys):
@@ -802,21 +992,25 @@ def _failure_line(err: str) -> str:
     return last
 
 
-def test_bench_server_that_does_not_start(fake_bench, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("warm_starts", "first_log"), [("0", "ours.server.log"), ("2", "ours.warm-start-1.server.log")]
+)
+def test_bench_server_that_does_not_start(fake_bench, monkeypatch, capsys, warm_starts, first_log):
     argv, out = fake_bench
     monkeypatch.setattr(
         runner,
         "real_command",
         lambda *a: [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"],
     )
-    assert cli.main(argv) == cli.EXIT_FAILED
+    assert cli.main([*argv, "--warm-starts", warm_starts]) == cli.EXIT_FAILED
     line = _one_line_failure(capsys)
-    log = out / "ours.warm-start-1.server.log"  # the first start is the one that failed
+    log = out / first_log  # the first start is the one that failed
     assert "[ours] vllm serve exited with code 3 before it was healthy" in line
     assert line.endswith(f"server log: {log}")
     assert "no such model" in log.read_text()
     partial = json.loads((out / "results.json").read_text())
     assert partial["configs"][0]["error"] in line
+    assert partial["duration_s"] > 0  # the time so far, recorded with what was measured
     assert (
         partial["configs"][0]["log"] == str(log) and partial["configs"][0]["warm_up_start_s"] == []
     )
@@ -851,7 +1045,7 @@ def test_bench_engine_that_fails_to_start_is_reported_without_waiting(
     assert time.monotonic() - started < 60
     line = _one_line_failure(capsys)
     assert "[ours] vllm serve's engine failed to start: RuntimeError: Worker failed" in line
-    assert line.endswith(f"server log: {out / 'ours.warm-start-1.server.log'}")
+    assert line.endswith(f"server log: {out / 'ours.server.log'}")
     record = json.loads((out / "results.json").read_text())["configs"][0]
     assert record["server_exit_code"] is not None  # stopped, not left hanging
 

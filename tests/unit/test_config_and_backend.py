@@ -358,6 +358,34 @@ def test_flag_from_llm_keyword_reaches_the_worker_config(tiny_model):
     assert not _reaches_worker(EngineArgs(model=tiny_model, skip_tokenizer_init=True))
 
 
+def test_the_flag_leaves_vllms_compile_cache_keys_unchanged(tiny_model):
+    """vLLM keys its torch.compile cache directory by the config hash, its AOT
+    compile cache and FlashInfer autotune cache by aot_compile_hash_factors; the
+    flag (which changes no compiled code) must not change them, so a server with
+    it on finds what a server without it compiled. Other additional_config keys
+    still count, and the config the workers get keeps the flag."""
+    vllm_graph_sleep.register()
+    from vllm.compilation.caching import aot_compile_hash_factors
+    from vllm.engine.arg_utils import EngineArgs
+
+    def built(**kwargs):
+        return EngineArgs(model=tiny_model, skip_tokenizer_init=True, **kwargs)
+
+    stock = built().create_engine_config()
+    on = built(sleep_mode_offload_cudagraph=True).create_engine_config()
+    off = built(sleep_mode_offload_cudagraph=False).create_engine_config()
+    json_on = built(additional_config={config.FLAG: True}).create_engine_config()
+    assert {c.compute_hash() for c in (on, off, json_on)} == {stock.compute_hash()}
+    assert aot_compile_hash_factors(on) == aot_compile_hash_factors(stock)
+    assert config.flag_requested(on) and config.flag_requested(pickle.loads(pickle.dumps(on)))
+    other = built(additional_config={"other": 1}, sleep_mode_offload_cudagraph=True)
+    other_config = other.create_engine_config()
+    assert other_config.compute_hash() != stock.compute_hash()
+    assert other_config.additional_config == {"other": 1, config.FLAG: True}
+    alone = built(additional_config={"other": 1}).create_engine_config()
+    assert other_config.compute_hash() == alone.compute_hash()
+
+
 def _serve_engine_args(*argv: str):
     """EngineArgs exactly as `vllm serve ARGV` builds them (parser and from_cli_args)."""
     vllm_graph_sleep.register()

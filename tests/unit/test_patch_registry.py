@@ -77,6 +77,8 @@ report = {
 report["attention_imported"] = "vllm.model_executor.layers.attention.attention" in sys.modules
 from vllm.engine.arg_utils import EngineArgs
 report["flag_added"] = is_wrapped(EngineArgs.add_cli_args)
+from vllm.config import VllmConfig
+report["hash_patched"] = is_wrapped(VllmConfig.compute_hash)
 from vllm.v1.worker import gpu_worker, gpu_model_runner  # what a worker imports next
 from vllm.distributed.device_communicators import custom_all_reduce
 from vllm.distributed import parallel_state
@@ -109,14 +111,15 @@ def test_each_process_patches_only_what_it_imports():
     modules it patches except the one already there, and a worker module
     imported later comes back patched."""
     report = _report_of(_PROCESS)
-    # arg_utils brings parallel_state with it; the plugin adds none.
+    # arg_utils brings the config module and parallel_state with it; the plugin adds none.
     assert report["imported_before_load"] == [
+        "vllm.config.vllm",
         "vllm.distributed.parallel_state",
         "vllm.engine.arg_utils",
     ]
     assert report["imported_after_load"] == report["imported_before_load"]
     assert not report["attention_imported"]
-    assert report["flag_added"]
+    assert report["flag_added"] and report["hash_patched"]
     assert report["worker_patched"] == [True, True, True, True, True]
 
 

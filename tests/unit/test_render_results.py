@@ -286,3 +286,17 @@ def test_readme_keeps_its_two_commands_under_their_headings():
     assert awk and "/^## Run the tests/" in awk[1], (
         "the awk line of .ci/run changed: check this test"
     )
+
+
+def test_a_bench_runs_charts_are_shown_under_its_table_where_they_were_drawn(tmp_path):
+    # `vllm-graph-sleep bench --report run.json` draws run.asleep.png and run.wake.png.
+    fixture = report.read_json(ROOT / "tests" / "unit" / "data" / "bench-results-fixture.json")
+    report.write_json(fixture, tmp_path / "run.json")
+    assert render_results.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0
+    assert ".asleep.png" not in (tmp_path / render_results.TABLES).read_text()
+    for name in ("run.asleep.png", "run.wake.png"):
+        (tmp_path / name).write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert render_results.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0
+    index = (tmp_path / render_results.TABLES).read_text()
+    assert "![Asleep memory per configuration, with the floor](run.asleep.png)" in index
+    assert "![Level-1 wake per configuration, full and staged](run.wake.png)" in index

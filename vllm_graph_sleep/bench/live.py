@@ -187,7 +187,7 @@ class LiveServer:
         progress(f"starting vllm serve; log: {self.server.log_path}")
         self.server.start(self.client.base_url)
         self.start_s = self.server.wait_healthy(
-            timeout, lambda s: progress(f"waiting for /health ({s:.0f} s)")
+            timeout, lambda s, phase: progress(f"waiting for /health ({s:.0f} s, {phase})")
         )
         self.client.served_model()
         progress(f"server healthy after {self.start_s:.1f} s")

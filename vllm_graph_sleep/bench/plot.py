@@ -24,6 +24,26 @@ COLORS = {
     "stock_eager": "tab:blue",
 }
 MARKERS = {"sleep": "v", "wake": "^"}
+#: matplotlib is the bench's extra (pyproject: vllm-graph-sleep[bench]).
+MATPLOTLIB_MISSING = (
+    "matplotlib is not installed: pip install 'vllm-graph-sleep[bench]' to draw the plots"
+)
+
+
+class PlotUnavailable(RuntimeError):
+    """No plotting library: the message says how to get one, in one line."""
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files (Agg); PlotUnavailable without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise PlotUnavailable(MATPLOTLIB_MISSING) from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _series(record: dict[str, Any], gpu: int) -> tuple[list[float], list[float]]:
@@ -92,10 +112,7 @@ def write_plot(results: dict[str, Any], path: Path) -> Path:
     (where the configurations differ by hundreds of MiB out of tens of GiB)."""
     import statistics
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.lines import Line2D
 
     configs = [r for r in results.get("configs", []) if r.get("samples", {}).get("t")]

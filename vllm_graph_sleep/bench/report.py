@@ -325,16 +325,46 @@ def _aligned(header: list[str], lines: list[list[str]]) -> list[str]:
     return [render(header), "  ".join("-" * w for w in widths), *map(render, lines)]
 
 
+def floor_mib(results: dict[str, Any]) -> list[float] | None:
+    """The run's floor (bench/floor.py) per GPU, MiB over the idle GPU; None
+    when it was not measured."""
+    measured = results.get("floor") or {}
+    if "used_bytes" not in measured:
+        return None
+    return _over(measured["used_bytes"], measured["baseline_used_bytes"])
+
+
 def floor_line(results: dict[str, Any]) -> str | None:
     """The run's floor (bench/floor.py) in one line; None when it was not measured."""
     measured = results.get("floor")
     if not measured:
         return None
-    if "used_bytes" not in measured:
+    mib = floor_mib(results)
+    if mib is None:
         return f"floor ({measured.get('what')}): not measured: {measured.get('error')}"
-    mib = _over(measured["used_bytes"], measured["baseline_used_bytes"])
     values = ", ".join(f"{value:.0f}" for value in mib)
     return f"floor ({measured.get('what')}): {values} MiB over the idle GPU"
+
+
+def start_line(results: dict[str, Any]) -> str | None:
+    """How this run's engine starts were measured, in one line; None for files
+    written before the bench said (they have no "engine_core_start")."""
+    method = results.get("engine_core_start")
+    if method is None:
+        return None
+    core = "forked" if method == "fork" else f"started by {method}"
+    warm = (results.get("settings") or {}).get("warm_starts") or 0
+    if warm:
+        return (
+            f"engine start: after {warm} warm-up start(s) of the same configuration "
+            f"(compile caches warm), engine core {core}."
+        )
+    return (
+        "engine start: each configuration's first start in this run, with the compile caches "
+        "as this host had them (none on its first run; ours and stock with graphs share one "
+        "torch.compile cache, so the second of them loads what the first compiled), engine "
+        f"core {core}; --warm-starts 2 measures starts with warm caches."
+    )
 
 
 def format_table(results: dict[str, Any]) -> str:
@@ -347,9 +377,9 @@ def format_table(results: dict[str, Any]) -> str:
     out += [f"error ({n}): {s['error']}" for n, s in summaries.items() if s.get("error")]
     if baseline:
         out.append(f"ratios: against {CONFIG_LABELS.get(baseline, baseline)}. {RATIO_NOTE}")
-    line = floor_line(results)
-    if line:
-        out.append(line)
+    for line in (start_line(results), floor_line(results)):
+        if line:
+            out.append(line)
     switches = results.get("switches") or {}
     if switches:
         out.append("switches: " + ", ".join(f"{k}={v}" for k, v in sorted(switches.items())))

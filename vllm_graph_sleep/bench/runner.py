@@ -1,6 +1,7 @@
-"""A whole bench run: the model, the floor (bench/floor.py), each configuration
-in turn, and the outputs (results.json after every configuration, memory.png
-and the table at the end).
+"""A whole bench run: the estimate of its time, the model, the floor
+(bench/floor.py), each configuration in turn, and the outputs (results.json
+after every configuration, with the time so far; the table and the plots at
+the end).
 
 `run` takes the memory source and (optionally) the server command as arguments,
 so the same code runs against NVML and real `vllm serve` (the CLI) or against
@@ -18,17 +19,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_graph_sleep.bench import floor, start_rounds
+from vllm_graph_sleep.bench import estimate, floor, start_rounds
 from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.gpu import MemorySource
 from vllm_graph_sleep.bench.report import SCHEMA, floor_line, format_table, write_json
 from vllm_graph_sleep.bench.scenario import Scenario
-from vllm_graph_sleep.bench.server import Server, ServerError, free_port, serve_command, server_env
+from vllm_graph_sleep.bench.server import (
+    MULTIPROC_METHOD,
+    Server,
+    ServerError,
+    free_port,
+    serve_command,
+    server_env,
+    with_forked_engine_core,
+)
 from vllm_graph_sleep.bench.settings import BenchSettings
 
 CommandFor = Callable[[str, str, int, BenchSettings], list[str]]
 RESULTS_JSON = "results.json"
 PLOT_PNG = "memory.png"
+ASLEEP_PNG = "asleep.png"
+WAKE_PNG = "wake.png"
 TABLE_TXT = "table.txt"
 
 
@@ -58,16 +69,27 @@ def real_command(name: str, model: str, port: int, settings: BenchSettings) -> l
     )
 
 
+def _made_model_dir(settings: BenchSettings) -> Path:
+    return (Path(settings.cache_dir).expanduser() / settings.model_kind).resolve()
+
+
+def model_to_make(settings: BenchSettings) -> bool:
+    """True when the run makes its model first (no --model, none cached yet)."""
+    from vllm_graph_sleep.models import is_complete
+
+    return settings.model is None and not is_complete(
+        _made_model_dir(settings), settings.model_kind
+    )
+
+
 def resolve_model(settings: BenchSettings, progress: Callable[[str], None]) -> str:
     if settings.model is not None:
         path = Path(settings.model).expanduser()
         if not (path / "config.json").is_file():
             raise BenchError(f"--model {settings.model}: not a model directory (no config.json)")
         return str(path.resolve())
-    from vllm_graph_sleep.models import is_complete
-
-    target = (Path(settings.cache_dir).expanduser() / settings.model_kind).resolve()
-    if not is_complete(target, settings.model_kind):
+    target = _made_model_dir(settings)
+    if model_to_make(settings):
         progress(f"making the {settings.model_kind} model in {target} (once; reused next time)")
         _make_model_in_a_child(settings.model_kind, target)
     return str(target)
@@ -147,12 +169,16 @@ def run(
     """Runs every configuration; returns the results (also written to
     settings.out). Raises BenchError or ServerError with a one-line reason after
     writing what was measured so far."""
+    started = time.monotonic()
     progress = progress or Progress()
     command_for = command_for or real_command
+    env = with_forked_engine_core(env)
     out = settings.out or default_out_dir()
     settings.out = out
     out.mkdir(parents=True, exist_ok=True)
     progress(f"results go to {out}")
+    making = model_to_make(settings)
+    progress(estimate.describe(settings, making))
     model = resolve_model(settings, progress)
     results: dict[str, Any] = {
         "schema": SCHEMA,
@@ -162,8 +188,16 @@ def run(
         "settings": settings.as_dict(),
         "host": host_info(memory),
         "switches": switches_set(server_env(env)),
+        "engine_core_start": env[MULTIPROC_METHOD],
+        "estimate_s": round(estimate.estimate_s(settings, making), 1),
         "configs": [],
     }
+
+    def save() -> None:
+        # Each save records the time so far: the last one, the whole run's.
+        results["duration_s"] = round(time.monotonic() - started, 1)
+        write_json(results, out / RESULTS_JSON)
+
     if settings.floor:
         progress(f"measuring the floor: {floor.WHAT}")
         results["floor"] = floor.measure(memory, server_env(env))
@@ -183,37 +217,65 @@ def run(
         except ServerError as error:
             scenario.record["error"] = str(error)
             results["configs"].append(scenario.record)
-            write_json(results, out / RESULTS_JSON)
+            save()
             raise
         results["configs"].append(record)
-        write_json(results, out / RESULTS_JSON)
+        save()
     if settings.start_rounds:
-        start_rounds.run_rounds(
-            results,
-            settings,
-            command_for,
-            env,
-            memory,
-            progress,
-            save=lambda: write_json(results, out / RESULTS_JSON),
-        )
+        start_rounds.run_rounds(results, settings, command_for, env, memory, progress, save)
+    save()
+    progress(
+        f"measured in {estimate.minutes(results['duration_s'])} "
+        f"(estimated {estimate.minutes(results['estimate_s'])})"
+    )
     return results
 
 
-def write_outputs(results: dict[str, Any], out: Path) -> tuple[str, Path, Path]:
-    """results.json, memory.png and table.txt in `out`; returns (table, json, png)."""
-    write_json(results, out / RESULTS_JSON)
-    table, png = _table_and_plot(results, out / TABLE_TXT, out / PLOT_PNG)
-    return table, out / RESULTS_JSON, png
+def plot_paths(folder: Path, stem: str | None = None) -> dict[str, Path]:
+    """Where a run's plots go: memory.png, asleep.png and wake.png in the bench's
+    folder; <stem>.png, <stem>.asleep.png and <stem>.wake.png beside a recorded file."""
+    if stem is None:
+        return {
+            "memory": folder / PLOT_PNG,
+            "asleep": folder / ASLEEP_PNG,
+            "wake": folder / WAKE_PNG,
+        }
+    return {
+        "memory": folder / f"{stem}.png",
+        "asleep": folder / f"{stem}.asleep.png",
+        "wake": folder / f"{stem}.wake.png",
+    }
 
 
-def _table_and_plot(results: dict[str, Any], table_path: Path, png_path: Path) -> tuple[str, Path]:
+def write_plots(results: dict[str, Any], paths: dict[str, Path]) -> list[Path]:
+    """The memory-over-time plot (bench/plot.py) and the two charts
+    (bench/charts.py); PlotUnavailable without matplotlib."""
+    from vllm_graph_sleep.bench.charts import write_asleep_chart, write_wake_chart
     from vllm_graph_sleep.bench.plot import write_plot
 
+    writers = {"memory": write_plot, "asleep": write_asleep_chart, "wake": write_wake_chart}
+    return [writers[kind](results, path) for kind, path in paths.items()]
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> tuple[str, Path, list[Path], str | None]:
+    """results.json, table.txt and the plots in `out`; returns (table, json, plots,
+    why there are no plots or None)."""
+    write_json(results, out / RESULTS_JSON)
+    table, pngs, missing = _table_and_plots(results, out / TABLE_TXT, plot_paths(out))
+    return table, out / RESULTS_JSON, pngs, missing
+
+
+def _table_and_plots(
+    results: dict[str, Any], table_path: Path, png_paths: dict[str, Path]
+) -> tuple[str, list[Path], str | None]:
+    from vllm_graph_sleep.bench.plot import PlotUnavailable
+
     table = format_table(results)
-    png = write_plot(results, png_path)
     table_path.write_text(table + "\n")
-    return table, png
+    try:
+        return table, write_plots(results, png_paths), None
+    except PlotUnavailable as error:
+        return table, [], str(error)
 
 
 def merge(parts: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
@@ -240,10 +302,11 @@ def merge(parts: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     return merged
 
 
-def rerender(json_paths: list[Path], out: Path | None = None) -> tuple[str, Path]:
-    """Table and plot of recorded results. One file: <stem>.png and
-    <stem>.table.txt next to it (or in `out`), the JSON left as it is. Several
-    files: merged into merged.json, merged.png, merged.table.txt."""
+def rerender(json_paths: list[Path], out: Path | None = None) -> tuple[str, list[Path], str | None]:
+    """Table and plots of recorded results. One file: <stem>.table.txt and the
+    plots of plot_paths next to it (or in `out`), the JSON left as it is.
+    Several files: merged into merged.json, merged.table.txt and merged's plots.
+    Returns (table, plots, why there are no plots or None)."""
     from vllm_graph_sleep.bench.report import read_json
 
     parts = [read_json(path) for path in json_paths]
@@ -253,4 +316,4 @@ def rerender(json_paths: list[Path], out: Path | None = None) -> tuple[str, Path
     else:
         results, stem = merge(parts, [str(p) for p in json_paths]), "merged"
         write_json(results, out / f"{stem}.json")
-    return _table_and_plot(results, out / f"{stem}.table.txt", out / f"{stem}.png")
+    return _table_and_plots(results, out / f"{stem}.table.txt", plot_paths(out, stem))

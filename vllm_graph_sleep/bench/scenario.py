@@ -115,6 +115,12 @@ class Scenario:
     def _say(self, text: str) -> None:
         self.progress(f"[{self.name}] {text}")
 
+    def _waiting(self, what: str) -> Callable[[float, str], None]:
+        """The progress of a start: seconds so far and what vLLM's log says it does."""
+        return lambda seconds, phase: self._say(
+            f"waiting for {what}: {seconds:.0f} s (vLLM: {phase})"
+        )
+
     def _report(self) -> list[dict[str, Any]] | None:
         try:
             return self.client.memory_report()
@@ -139,8 +145,7 @@ class Scenario:
                 self._say(f"starting vllm serve ({self.server.where()})")
                 self.server.start(self.client.base_url)
                 record["start_s"] = self.server.wait_healthy(
-                    self.settings.start_timeout,
-                    lambda s: self._say(f"waiting for /health ... {s:.0f} s"),
+                    self.settings.start_timeout, self._waiting("/health")
                 )
                 self._event("ready")
                 record["ready_t"] = self.events[-1]["t"]
@@ -169,7 +174,7 @@ class Scenario:
             seconds = server.start_to_health(
                 self.client.base_url,
                 self.settings.start_timeout,
-                lambda s: self._say(f"warm-up start: waiting for /health ... {s:.0f} s"),
+                self._waiting(f"/health (warm-up start {number})"),
             )
         finally:
             self.record["server_exit_code"] = server.exit_code()

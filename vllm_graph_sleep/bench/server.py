@@ -22,8 +22,13 @@ from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 
 from vllm_graph_sleep import config
+from vllm_graph_sleep.bench.phases import phase_of_log
 
 PROBE_EXTENSION = "vllm_graph_sleep.probe.ProbeWorkerExtension"
+#: While a server starts, a progress line this often (seconds).
+PROGRESS_EVERY_S = 10.0
+#: How vLLM starts its engine core (and workers): fork or spawn.
+MULTIPROC_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
 #: Per configuration: what it adds to the common `vllm serve` arguments.
 CONFIG_ARGS: dict[str, tuple[str, ...]] = {
@@ -123,6 +128,20 @@ def server_env(environ: dict[str, str] | None = None, config: str | None = None)
     return env
 
 
+def with_forked_engine_core(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment with VLLM_WORKER_MULTIPROC_METHOD=fork unless it names a
+    method already (which is kept: spawn gives the start as `vllm serve` makes it).
+
+    `vllm serve` spawns its engine core, which then imports again what the API
+    server has imported already; forked, it starts from those imports. Server
+    starts are the bench's longest waits (bench/estimate.py), the same for every
+    configuration; memory, sleep, wake and tokens do not depend on how the
+    engine core's process began."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault(MULTIPROC_METHOD, "fork")
+    return env
+
+
 #: What vLLM 0.26's engine core logs when it dies during start-up
 #: (vllm/v1/engine/core.py); the root cause follows as "<Name>Error: ..." lines.
 ENGINE_START_FAILED = "EngineCore failed to start."
@@ -200,14 +219,19 @@ class Server:
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
+    def phase(self) -> str:
+        """What the server is doing, from its log (bench/phases.py)."""
+        return phase_of_log(self.log_path)
+
     def wait_healthy(
-        self, timeout: float, progress: Callable[[float], None] | None = None
+        self, timeout: float, progress: Callable[[float, str], None] | None = None
     ) -> float:
         """Seconds from start to the first 200 on /health; ServerError if the
-        process exits first or `timeout` passes."""
+        process exits first or `timeout` passes. Every PROGRESS_EVERY_S,
+        `progress(seconds so far, phase)`."""
         assert self.process is not None
         started = time.monotonic()
-        next_note = started + 15
+        next_note = started + PROGRESS_EVERY_S
         while True:
             code = self.process.poll()
             if code is not None:
@@ -233,12 +257,12 @@ class Server:
                     f"(--start-timeout); {self.where()}"
                 )
             if progress is not None and now >= next_note:
-                progress(now - started)
-                next_note = now + 15
+                progress(now - started, self.phase())
+                next_note = now + PROGRESS_EVERY_S
             time.sleep(0.5)
 
     def start_to_health(
-        self, base_url: str, timeout: float, progress: Callable[[float], None] | None = None
+        self, base_url: str, timeout: float, progress: Callable[[float, str], None] | None = None
     ) -> float:
         """Starts the server, waits for its first 200 on /health and stops it,
         whatever happens (a warm-up start, a start round); the seconds to that 200."""

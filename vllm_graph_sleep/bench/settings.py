@@ -42,17 +42,17 @@ class BenchSettings:
     decode_repeats: int = 5
     start_timeout: float = 900.0
     # Starts to /health (then stopped) before the measured one, so that the
-    # measured engine start finds torch.compile's and Triton's caches warm. Each
-    # configuration needs its own: the plugin's flag is part of vLLM's config hash.
-    # Two, because vLLM 0.26 fills two Triton caches: a start that compiles
-    # points TRITON_CACHE_DIR into its torch.compile cache, so the Triton kernels
-    # of vLLM's own ops (sampler, input preparation) land there, while a start
-    # that loads the compiled model leaves it unset and looks in Triton's default
+    # measured engine start finds torch.compile's and Triton's caches warm: the
+    # start-time comparison (`--warm-starts 2`), off by default because the
+    # starts are what a run's time goes to (issue 35). Two, when on, because
+    # vLLM 0.26 fills two Triton caches: a start that compiles points
+    # TRITON_CACHE_DIR into its torch.compile cache, so the Triton kernels of
+    # vLLM's own ops (sampler, input preparation) land there, while a start that
+    # loads the compiled model leaves it unset and looks in Triton's default
     # cache. With one warm-up, the configuration run first compiled those
-    # kernels (24 on the H200, 7.6 s plus their launchers) in its measured
-    # start and the next configuration found them: that was the +17 % start of
-    # issue 16 (the bench's Triton compile log, 2026-12-01).
-    warm_starts: int = 2
+    # kernels in its measured start and the next configuration found them: that
+    # was the +17 % start of issue 16 (the bench's Triton compile log, 2026-12-01).
+    warm_starts: int = 0
     # After every configuration ran, start each this many more times to /health,
     # in alternating order (bench/start_rounds.py): a start comparison of a few
     # percent needs more than one start per configuration.

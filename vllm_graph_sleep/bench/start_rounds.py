@@ -52,7 +52,9 @@ def run_rounds(
             starts.append(entry)
             progress(f"[{name}] start round {number + 1} of {settings.start_rounds}")
             try:
-                entry.update(_start_once(name, number + 1, results, settings, command_for, env))
+                entry.update(
+                    _start_once(name, number + 1, results, settings, command_for, env, progress)
+                )
             except Exception as error:
                 entry["error"] = str(error)
                 raise
@@ -69,11 +71,18 @@ def _start_once(
     settings: BenchSettings,
     command_for: Callable[[str, str, int, BenchSettings], list[str]],
     env: dict[str, str] | None,
+    progress: Callable[[str], None],
 ) -> dict[str, Any]:
     port = free_port()
     log = Path(settings.out) / f"{name}.start-round-{number}.server.log"
     server = Server(
         name, command_for(name, results["model"], port, settings), server_env(env, name), log
     )
-    seconds = server.start_to_health(f"http://127.0.0.1:{port}", settings.start_timeout)
+    seconds = server.start_to_health(
+        f"http://127.0.0.1:{port}",
+        settings.start_timeout,
+        lambda waited, phase: progress(
+            f"[{name}] start round {number}: {waited:.0f} s (vLLM: {phase})"
+        ),
+    )
     return {"start_s": round(seconds, 3), "engine_init": server.engine_init(), "log": str(log)}

@@ -29,6 +29,7 @@ from types import ModuleType
 
 #: patch module -> the vLLM module it changes.
 PATCHES = {
+    "config_vllm": "vllm.config.vllm",
     "engine_arg_utils": "vllm.engine.arg_utils",
     "entrypoints_serve_utils_server_utils": "vllm.entrypoints.serve.utils.server_utils",
     "entrypoints_serve_dev_sleep_api_router": "vllm.entrypoints.serve.dev.sleep.api_router",
