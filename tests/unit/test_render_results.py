@@ -277,7 +277,7 @@ def test_readme_keeps_its_two_commands_under_their_headings():
         return next(line[4:] for line in lines[start + 1 :] if line.startswith("    "))
 
     assert first_indented_after("## Install and run the main job") == (
-        "pip install -e . && vllm-graph-sleep bench"
+        "pip install -e '.[bench]' && vllm-graph-sleep bench"
     )
     assert first_indented_after("## Run the tests") == (
         "pip install -e '.[test]' && python -m pytest tests -q -rs"
