@@ -68,7 +68,11 @@ def _call_and_unpatch(function: InterpretedFunction, *args, **kwargs):
     returns: Triton's own leaves those of the modules the callee sees (its
     `core`, where the kernel sees `tl`) patched for the interpreter, for the
     rest of the process, which only a process that interprets everything can
-    live with (the compile tests here would fail after them)."""
+    live with (the compile tests here would fail after them). A codec helper
+    (`_symbol`) sees what its kernel sees, which the launch patched already:
+    it runs as it is, without patching the same builtins over again."""
+    if function.fn.__globals__ is vars(exponent_codec):
+        return function.rewrite()(*args, **kwargs)
     scopes = []
     patch = interpreter._patch_lang
 
