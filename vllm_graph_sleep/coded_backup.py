@@ -9,8 +9,8 @@ is one that does not decode back to its original: the sleep checks every coded
 piece on the device while the original is still there (each lane's codes end
 where its count said, so that the wake, which reads the stream up to the
 counts' total, decodes what the check decoded; and the decode gives the
-original back), so that a coder fault costs bytes, not weights. The host buffer keeps its raw size, so a backup
-always fits whatever the weights hold.
+original back), so that a coder fault costs bytes, not weights. The host
+buffer keeps its raw size, so a backup always fits whatever the weights hold.
 """
 
 from __future__ import annotations

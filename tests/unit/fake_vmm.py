@@ -4,8 +4,9 @@ It behaves like the real VMM layer where the manager's correctness depends on
 it: a device of fixed capacity (other processes and torch's own pool can take
 part of it), mapping an already mapped range or unmapping an unmapped one is a
 driver error, touching unmapped memory is an illegal address, and freshly
-mapped memory holds stale bytes (not zeros) unless something writes it. `malloc`/`free` play the role of
-my_malloc/my_free in csrc/cumem_allocator.cpp, calling the same callbacks.
+mapped memory holds stale bytes (not zeros) unless something writes it.
+`malloc`/`free` play the role of my_malloc/my_free in csrc/cumem_allocator.cpp,
+calling the same callbacks.
 
 Pools follow torch 2.11's caching allocator where the manager relies on it: a
 segment whose tensor died stays cached in its pool; once nobody holds the pool
