@@ -995,16 +995,29 @@ class GraphSleepAllocator:
 
         mapped: list[Allocation] = []
 
-        def mapping() -> Iterator[Allocation]:
+        def mapping(allocations: list[Allocation]) -> Iterator[Allocation]:
             # One at a time, each handed to _fill as soon as it is mapped: the
             # copies of one run while the next one maps.
-            for allocation in targets:
+            for allocation in allocations:
                 self._driver.create_and_map(*self._handle(allocation))
                 mapped.append(allocation)
                 yield allocation
 
+        # A coded restore stages its pieces in device memory of its own: the
+        # backed-up allocations are restored and the staging given back before
+        # the rest maps, so that the wake needs no more than the sleep freed.
+        phases = [targets]
+        if any(a.coded is not None for a in targets if a.has_backup):
+            backed_up = [a for a in targets if a.has_backup]
+            phases = [backed_up, [a for a in targets if not a.has_backup]]
+        restored: dict[str, int] = {}
+        fresh: dict[str, int] = {}
         try:
-            restored, fresh = self._fill(mapping(), targets, clock)
+            for phase in filter(None, phases):
+                filled = self._fill(mapping(phase), phase, clock)
+                for total, part in zip((restored, fresh), filled, strict=True):
+                    for tag, size in part.items():
+                        _add(total, tag, size)
         except Exception as error:
             self._roll_back(mapped)
             self._lower_stack(lowered)  # asleep again
@@ -1088,7 +1101,9 @@ class GraphSleepAllocator:
         if clock is not None:
             clock.lap("copies")
         if coded:
-            # The decoder's staging slots, cached by torch outside our pools.
+            # The decoder's staging slots, cached by torch outside our pools
+            # once the restore that holds them is gone.
+            del restore
             self._driver.release_cached_memory(collect_garbage=False)
         return restored, fresh
 

@@ -6,9 +6,11 @@ allocation's host buffer, where they take about two thirds of the room the raw
 bytes would; a wake copies them back while the previous piece decodes
 (`exponent_codec.restore`). A piece that does not shrink is kept raw, and so
 is one that does not decode back to its original: the sleep checks every coded
-piece on the device while the original is still there, so that a coder fault
-costs bytes, not weights. The host buffer keeps its raw size, so a backup
-always fits whatever the weights hold.
+piece on the device while the original is still there (each lane's codes end
+where its count said, so that the wake, which reads the stream up to the
+counts' total, decodes what the check decoded; and the decode gives the
+original back), so that a coder fault costs bytes, not weights. The host
+buffer keeps its raw size, so a backup always fits whatever the weights hold.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class _Slot:
         self.lane_words = scratch(lanes, torch.int32)
         self.ends = scratch(lanes, torch.int32)
         self.starts = scratch(lanes, torch.int32)
+        self.written_ends = scratch(lanes, torch.int32)
         # Room for the longest code on every symbol: a stream longer than its
         # plan's bound (a fault) stays inside the slot and is found at the end.
         per_lane = -(-exponent_codec.SYMBOLS_PER_LANE * exponent_codec.MAX_CODE_BITS // 32)
@@ -257,11 +260,18 @@ class _Coder:
             ends = torch.cumsum(lane_words, dim=0, dtype=torch.int32, out=slot.ends[:lanes])
             torch.sub(ends, lane_words, out=starts)
             self._totals[number : number + 1].copy_(ends[lanes - 1 :])
+            written_ends = slot.written_ends[:lanes]
             exponent_codec.encode_lanes(
-                words, (table[_CODES], table[_LENGTHS]), starts, slot.words, raw
+                words, (table[_CODES], table[_LENGTHS]), starts, slot.words, raw, written_ends
             )
-            # Checked as the wake will decode it, reading up to the bound: a
-            # lane's codes decode the same whatever bits follow them.
+            # The wake reads the stream up to the count's total and zeros past
+            # it; the check below reads it up to the bound. The two decode the
+            # same when every lane's codes end where its count said (a lane
+            # reads at most one word past its end, its codes decode the same
+            # whatever bits follow them, and the word at the total is kept).
+            torch.sum(
+                written_ends != ends, dim=0, dtype=torch.int32, out=self._mismatches[number, 1]
+            )
             piece = plan.coded_piece(plan.bound, self._backups[plan.backup].table)
             on_device = Encoded(piece, slot.words[: plan.bound + 1], starts, raw)
             mismatches = self._mismatches[number, :1]
@@ -278,22 +288,31 @@ class _Coder:
                 slot.copied.record(self.copier)
 
     def finish(self) -> None:
-        """Waits for every copy, then keeps each coded piece whose stream
-        stayed in its bound and decoded back to its original; the others are
-        copied raw (the originals are still on the device)."""
+        """Waits for every copy, then keeps each coded piece whose lanes
+        ended where their counts said, whose stream stayed in its bound and
+        which decoded back to its original; the others are copied raw (the
+        originals are still on the device)."""
         if self._on_gpu:
             torch.cuda.synchronize(self._device)
-        totals, mismatches = self._totals.tolist(), self._mismatches[:, 0].tolist()
         count = len(self._plans)
-        for plan, total, wrong in zip(self._plans, totals[:count], mismatches[:count], strict=True):
+        totals, checks = self._totals[:count].tolist(), self._mismatches[:count, :2].tolist()
+        for plan, total, (wrong, lanes_off) in zip(self._plans, totals, checks, strict=True):
             backup = self._backups[plan.backup]
             piece = backup.pieces[plan.piece]
-            if wrong or total > plan.bound:
+            faults = []
+            if wrong:
+                faults.append(f"{wrong} words decoded wrong")
+            if lanes_off:
+                faults.append(f"{lanes_off} lanes did not end where their counts said")
+            if total > plan.bound:
+                faults.append(f"its {total} words exceed its bound of {plan.bound}")
+            if faults:
                 logger.error(
                     "graph-sleep: a coded backup piece (%d bytes) did not decode to its "
-                    "original; it is kept raw. Please report this with your GPU, driver, torch "
-                    "and Triton versions.",
+                    "original (%s); it is kept raw. Please report this with your GPU, driver, "
+                    "torch and Triton versions.",
                     piece.size,
+                    "; ".join(faults),
                 )
                 plan.room.copy_(plan.chunk)
                 continue

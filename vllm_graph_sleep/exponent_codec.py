@@ -196,12 +196,15 @@ def _exponent(words, index, ok):
 # The kernels' sizes take whatever values the weights and their codes give;
 # specialized, Triton would compile another variant of a kernel for a size
 # divisible by 16 or equal to 1 at the first sleep or wake that meets one,
-# after the worker's warm-up (coded_backup.prepare) compiled the kernels.
+# after the worker's warm-up (coded_backup.prepare) compiled the kernels. The
+# histogram's sizes are an allocation's: typed int64, so that one of 4 GiB or
+# more (2**31 words, which Triton passes as i64 whatever it is told about
+# specializing) takes the variant the warm-up's small sample compiled.
 @triton.jit(do_not_specialize=["symbols", "piece_symbols"])
 def _histogram_kernel(
     words,
-    symbols,
-    piece_symbols,
+    symbols: tl.int64,
+    piece_symbols: tl.int64,
     histograms,
     BLOCK: tl.constexpr,
     BLOCKS_PER_PROGRAM: tl.constexpr,
@@ -250,9 +253,11 @@ def _encode_kernel(
     starts,
     stream,
     raw,
+    ends,
     SYMBOLS_PER_LANE: tl.constexpr,
     LANES_PER_PROGRAM: tl.constexpr,
 ):
+    """Writes each lane's codes from its start and stores where they end."""
     lane, lane_ok = _program_lanes(lanes, LANES_PER_PROGRAM)
     at = tl.load(starts + lane, mask=lane_ok, other=0)
     pending = tl.zeros([LANES_PER_PROGRAM], dtype=tl.int64)  # `held` bits, low end
@@ -273,6 +278,7 @@ def _encode_kernel(
         pending = _low_bits(pending, held)
     tail = (pending << (32 - held).to(tl.int64)) & 0xFFFFFFFF
     tl.store(stream + at, tail.to(tl.int32), mask=lane_ok & (held > 0))
+    tl.store(ends + lane, at + (held > 0).to(tl.int32), mask=lane_ok)
 
 
 @triton.jit(do_not_specialize=["total_words", "symbols", "lanes"])
@@ -392,12 +398,18 @@ def encode_lanes(
     starts: torch.Tensor,
     stream: torch.Tensor,
     raw: torch.Tensor,
+    ends: torch.Tensor,
 ) -> None:
     """Codes `words` into `stream` at each lane's start (`starts`, from
     `count_lanes`) and their sign and mantissa bytes into `raw`, on the current
-    stream. Only the lanes' own words of `stream` are written."""
+    stream, and stores in `ends` (int32[lanes]) the word after each lane's last.
+    The lanes write from their starts up to their ends: a caller that keeps
+    only the words up to the lanes' ends its count gave compares them with
+    `ends` first (a count that disagreed would cut off a lane's codes)."""
     codes, lengths = encoder
-    _launch_over_lanes(_encode_kernel, words, starts.numel(), codes, lengths, starts, stream, raw)
+    _launch_over_lanes(
+        _encode_kernel, words, starts.numel(), codes, lengths, starts, stream, raw, ends
+    )
 
 
 def encode(
@@ -434,7 +446,10 @@ def encode(
         starts = ends - lane_words
         stream = torch.zeros(total_words + 1, dtype=torch.int32, device=data.device)
         raw = torch.empty(symbols, dtype=torch.uint8, device=data.device)
-        encode_lanes(words16, encoder, starts, stream, raw)
+        written = torch.empty_like(ends)
+        encode_lanes(words16, encoder, starts, stream, raw, written)
+        if not torch.equal(written, ends):
+            raise RuntimeError("the encoder's lanes did not end where their counts said")
     return Encoded(piece, stream, starts, raw)
 
 

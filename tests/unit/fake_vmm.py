@@ -1,11 +1,12 @@
 """A CPU stand-in for `vllm_graph_sleep._native.VmmDriver`.
 
 It behaves like the real VMM layer where the manager's correctness depends on
-it: a device of fixed capacity (other processes can take part of it), mapping an
-already mapped range or unmapping an unmapped one is a driver error, touching
-unmapped memory is an illegal address, and freshly mapped memory holds stale
-bytes (not zeros) unless something writes it. `malloc`/`free` play the role of
-my_malloc/my_free in csrc/cumem_allocator.cpp, calling the same callbacks.
+it: a device of fixed capacity (other processes and torch's own pool can take
+part of it), mapping an already mapped range or unmapping an unmapped one is a
+driver error, touching unmapped memory is an illegal address, and freshly
+mapped memory holds stale bytes (not zeros) unless something writes it.
+`malloc`/`free` play the role of my_malloc/my_free in csrc/cumem_allocator.cpp,
+calling the same callbacks.
 
 Pools follow torch 2.11's caching allocator where the manager relies on it: a
 segment whose tensor died stays cached in its pool; once nobody holds the pool
@@ -96,6 +97,9 @@ class FakeVmmDriver:
         # torch's graph-safe RNG state: (segment, stream), while a live graph holds it
         self.generator_state: tuple[int, int] | None = None
         self.generator_holds: list[bool] = []  # hold_generator_graph_state calls: pool routed?
+        # Device memory torch's own pool holds for an object (`torch_allocates`),
+        # cached after it dies until release_cached_memory: (holder, bytes).
+        self.torch_held: list[tuple[weakref.ref, int]] = []
 
     def fail(self, call: str, after: int = 0) -> None:
         """The (after+1)-th next call of `call` raises like the driver would."""
@@ -118,7 +122,7 @@ class FakeVmmDriver:
         self._maybe_fail("create_and_map", "cuMemCreate failed: out of memory")
         if address in self.memory:
             raise RuntimeError("cuMemMap failed: invalid argument (range already mapped)")
-        if self.mapped_bytes() + self.occupied_elsewhere + size > self.capacity:
+        if self.used_bytes() + size > self.capacity:
             raise RuntimeError("cuMemCreate failed: out of memory")
         self.memory[address] = torch.full((size,), STALE_BYTE, dtype=torch.uint8)
         self.map_calls.append(address)
@@ -286,9 +290,18 @@ class FakeVmmDriver:
         if self.routing:
             raise AssertionError(f"{what} while pool {self.routing[0].id} is routed")
 
+    def torch_allocates(self, holder: object, size: int) -> None:
+        """What tensors of `size` bytes in all that `holder` keeps take in
+        torch's own pool (outside ours): device memory while `holder` lives,
+        cached by torch after it dies until empty_cache."""
+        if self.used_bytes() + size > self.capacity:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} bytes")
+        self.torch_held.append((weakref.ref(holder), size))
+
     def release_cached_memory(self, collect_garbage: bool = True) -> None:
         self.collections.append(collect_garbage)
         self._no_routing("empty_cache")
+        self.torch_held = [(holder, size) for holder, size in self.torch_held if holder()]
         self.outside_segments = [s for s in self.outside_segments if s[2] > 0]
         for segments in self._freeable:
             self._release_free(segments)
@@ -343,6 +356,11 @@ class FakeVmmDriver:
 
     def mapped_bytes(self) -> int:
         return sum(t.numel() for t in self.memory.values())
+
+    def used_bytes(self) -> int:
+        """Device memory in use: ours, torch's own, other processes'."""
+        torch_own = sum(size for _, size in self.torch_held)
+        return self.mapped_bytes() + torch_own + self.occupied_elsewhere
 
     def write(self, address: int, value: int) -> None:
         self.device_bytes(0, address, 0).fill_(value)

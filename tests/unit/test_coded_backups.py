@@ -1,12 +1,13 @@
 """Weight backups coded on the device (VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1),
 through the allocator with the fake driver: every byte comes back, bf16
 weights take about two thirds of the bytes on the host, what does not shrink
-is kept raw. Each test runs in a fresh process with Triton's CPU interpreter
-(see test_exponent_codec.py), with 1 MiB pieces: two to an allocation."""
+is kept raw. The kernels run in Triton's CPU interpreter (tests/unit/
+triton_interpreter.py), with 1 MiB pieces: two to an allocation."""
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from tests.unit.fake_vmm import FakeVmmDriver
 from tests.unit.test_allocator_bookkeeping import allocate, make
 from tests.unit.test_exponent_codec import bf16_weights
-from tests.utils import fresh_process
+from tests.unit.triton_interpreter import interpret_codec
 from vllm_graph_sleep import coded_backup, exponent_codec
 from vllm_graph_sleep.allocator import GraphSleepAllocator
 
@@ -25,13 +26,25 @@ SIZE = 2 * MIB  # the fake driver's granule
 
 @pytest.fixture(autouse=True)
 def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(exponent_codec, "SYMBOLS_PER_LANE", 256)
-    monkeypatch.setattr(exponent_codec, "LANES_PER_PROGRAM", 1024)
+    # A lane of 128 symbols codes bf16 weights in 0.69 of their bytes (0.67
+    # with the real 512), a program of 4096 lanes a piece.
+    interpret_codec(monkeypatch, symbols_per_lane=128, lanes_per_program=4096)
     monkeypatch.setattr(coded_backup, "PIECE_BYTES", MIB)
+    # What a worker starts its first sleep with: the coder compiled and
+    # checked at its warm-up (coded_backup.prepare; the tests of that first
+    # use, and of a sleep short of memory for it, start before it), no
+    # warning said yet.
+    monkeypatch.setattr(coded_backup, "_broken", None)
+    monkeypatch.setattr(coded_backup, "_proven", {torch.device("cpu")})
+    monkeypatch.setattr(coded_backup, "_warned_short_of_memory", False)
 
 
-@fresh_process
+@pytest.fixture
+def first_use(monkeypatch):
+    """A process whose coder was never used: its first use is still to come."""
+    monkeypatch.setattr(coded_backup, "_proven", set())
+
+
 def test_coded_weight_backups_come_back_bit_exact_in_fewer_bytes(caplog):
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
@@ -61,20 +74,19 @@ def test_coded_weight_backups_come_back_bit_exact_in_fewer_bytes(caplog):
             assert torch.equal(driver.memory[address], contents), (cycle, hex(address))
 
 
-@fresh_process
 def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypatch, caplog):
     real_encode_lanes = exponent_codec.encode_lanes
 
-    def encode_with_a_flipped_bit(words, encoder, starts, stream, raw):
-        real_encode_lanes(words, encoder, starts, stream, raw)
+    def encode_with_a_flipped_bit(words, encoder, starts, stream, raw, ends):
+        real_encode_lanes(words, encoder, starts, stream, raw, ends)
         if words.numel() == coded_backup.PIECE_BYTES // 2:  # not the first use's sample
             stream[0] ^= 1
 
     monkeypatch.setattr(exponent_codec, "encode_lanes", encode_with_a_flipped_bit)
-    every_piece_is_kept_raw_with_an_error(caplog, seed=5)
+    every_piece_is_kept_raw_with_an_error(caplog, seed=5, reason=r"\(\d+ words decoded wrong\)")
 
 
-def every_piece_is_kept_raw_with_an_error(caplog, seed):
+def every_piece_is_kept_raw_with_an_error(caplog, seed, reason):
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
     driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=seed))
@@ -82,12 +94,13 @@ def every_piece_is_kept_raw_with_an_error(caplog, seed):
     with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("weights",))
     assert all(piece.coded is None for piece in manager.allocations[weights].coded.pieces)
-    assert sum("did not decode to its original" in r.getMessage() for r in caplog.records) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2 and all("did not decode to its original" in e for e in errors)
+    assert all(re.search(reason, error) for error in errors), errors
     manager.wake_up()
     assert torch.equal(driver.memory[weights], expected)
 
 
-@fresh_process
 def test_a_coded_stream_longer_than_its_bound_is_kept_raw(monkeypatch, caplog):
     # The bound comes from the exponent counts; a count kernel that disagreed
     # would make a longer stream. It stays in the slot's scratch and the piece raw.
@@ -99,10 +112,31 @@ def test_a_coded_stream_longer_than_its_bound_is_kept_raw(monkeypatch, caplog):
             lane_bits[-1] += 32 * 2 * lane_bits.numel()  # past the bound's 31 bits per lane
 
     monkeypatch.setattr(exponent_codec, "count_lanes", count_a_word_more)
-    every_piece_is_kept_raw_with_an_error(caplog, seed=7)
+    every_piece_is_kept_raw_with_an_error(caplog, seed=7, reason="exceed its bound")
 
 
-@fresh_process
+@pytest.mark.parametrize(
+    "lane, bits",
+    [(-1, -3 * 32), (0, 32)],
+    ids=["count-under-reports-the-last-lane", "count-over-reports-a-lane"],
+)
+def test_a_count_that_disagrees_with_the_encoder_is_kept_raw(monkeypatch, caplog, lane, bits):
+    # The wake decodes the stream up to the count's total and reads zeros past
+    # it; the check decodes it up to the bound. A last lane counted 3 words
+    # short stays in the bound and checks right, then comes back wrong at the
+    # wake; one counted a word long wastes it. Either disagreement is a fault.
+    real_count_lanes = exponent_codec.count_lanes
+
+    def count_wrong(words, lengths, lane_bits):
+        real_count_lanes(words, lengths, lane_bits)
+        if words.numel() == coded_backup.PIECE_BYTES // 2:  # not the first use's sample
+            lane_bits[lane] += bits
+
+    monkeypatch.setattr(exponent_codec, "count_lanes", count_wrong)
+    every_piece_is_kept_raw_with_an_error(caplog, seed=11, reason=r"\(1 lanes did not end where")
+
+
+@pytest.mark.usefixtures("first_use")
 def test_a_sleep_without_device_memory_for_the_coder_backs_up_raw(monkeypatch, caplog):
     # The sleep is what frees the GPU: coding must not make it fail on a full one.
     def scratch_on_a_full_device(device, lanes, symbols):
@@ -127,7 +161,7 @@ def test_a_sleep_without_device_memory_for_the_coder_backs_up_raw(monkeypatch, c
     assert len(warnings) == 1 and "Tried to allocate 44.00 MiB" in warnings[0]
 
 
-@fresh_process
+@pytest.mark.usefixtures("first_use")
 def test_a_sleep_without_device_memory_for_the_counts_backs_up_raw(monkeypatch):
     def counts_on_a_full_device(words, piece_symbols, rows):
         raise torch.OutOfMemoryError("CUDA out of memory")
@@ -143,7 +177,7 @@ def test_a_sleep_without_device_memory_for_the_counts_backs_up_raw(monkeypatch):
     assert torch.equal(driver.memory[weights], expected)
 
 
-@fresh_process
+@pytest.mark.usefixtures("first_use")
 def test_a_coder_that_fails_its_first_use_leaves_every_backup_raw(monkeypatch, caplog):
     # Triton compiles the kernels at their first use; where that fails, the
     # sleep still backs up and frees, and no later sleep tries again.
@@ -169,7 +203,7 @@ def test_a_coder_that_fails_its_first_use_leaves_every_backup_raw(monkeypatch, c
     assert "RuntimeError: Failed to find C compiler" in warning
 
 
-@fresh_process
+@pytest.mark.usefixtures("first_use")
 def test_the_coder_is_compiled_and_checked_at_warm_up_not_at_the_first_sleep(monkeypatch, caplog):
     # The worker's warm-up calls prepare_backup_coding before vLLM turns its JIT
     # monitor on; the sleep then codes without trying the sample again.
@@ -208,7 +242,6 @@ def test_the_coder_is_compiled_and_checked_at_warm_up_not_at_the_first_sleep(mon
     assert len(counted) == 3
 
 
-@fresh_process
 def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
@@ -219,6 +252,39 @@ def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
     manager.sleep(offload_tags=())
     allocation = manager.allocations[weights]
     assert allocation.coded is None and allocation.host is None and not allocation.has_backup
+
+
+def test_a_coded_wake_needs_no_more_device_memory_than_the_sleep_freed(monkeypatch):
+    # On a GPU the wake's decoder stages the coded pieces in two slots of
+    # torch's own memory (exponent_codec.Restorer): taken while the memory
+    # without a backup (the KV cache) is still unmapped, given back before it
+    # maps, they fit in what the sleep freed.
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    kv_cache = allocate(driver, manager, "kv_cache", SIZE, value=3)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=12))
+    expected = driver.memory[weights].clone()
+    driver.occupied_elsewhere = driver.capacity - driver.used_bytes()  # a full device
+    manager.sleep(offload_tags=("weights",))
+    assert all(piece.coded is not None for piece in manager.allocations[weights].coded.pieces)
+    assert driver.capacity - driver.used_bytes() == 2 * SIZE  # what the sleep freed
+
+    staged = []
+
+    class StagingRestorer(exponent_codec.Restorer):
+        def __init__(self, pieces, lookups, device):
+            super().__init__(pieces, lookups, device)
+            # What its two slots take on a GPU: the largest piece's buffers, twice.
+            buffers = zip(*(piece.buffers() for piece in pieces), strict=True)
+            staged.append(2 * sum(max(buffer.nbytes for buffer in same) for same in buffers))
+            driver.torch_allocates(self, staged[-1])
+
+    monkeypatch.setattr(exponent_codec, "Restorer", StagingRestorer)
+    manager.wake_up()
+    assert staged and 0 < staged[0] < SIZE
+    assert torch.equal(driver.memory[weights], expected)
+    assert kv_cache in driver.memory
+    assert driver.torch_held == []  # the staging is given back, not left in torch's cache
 
 
 def test_coding_follows_the_switch_then_the_drivers_default(monkeypatch, caplog):

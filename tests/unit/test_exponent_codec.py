@@ -1,12 +1,13 @@
 """The exponent codec: lossless for any bytes, and small for bf16 weights.
 
-On a GPU the kernels run compiled; without one each test runs in a fresh
-process with TRITON_INTERPRET=1, Triton's CPU interpreter (set before the
-kernels are defined, which is when Triton reads it), with short lanes so that
-the interpreter's per-step cost stays small. The interpreter runs the same
-kernel code with numpy's integer semantics; a test here compiles the kernels
-for an H200 and an MI300 without a GPU, and their run on a GPU
-(benchmarks/exponent_codec.py, test_cumem.py) is what proves their results."""
+On a GPU the kernels run compiled, each test in a process of its own;
+without one they run in Triton's CPU interpreter (tests/unit/
+triton_interpreter.py), with short lanes so that the interpreter's per-step
+cost stays small. The interpreter runs the same kernel code with numpy's
+integer semantics; tests here compile the kernels for an H200 and an MI300
+without a GPU and check the arguments they are launched with, and their run
+on a GPU (benchmarks/exponent_codec.py, test_cumem.py) is what proves their
+results."""
 
 from __future__ import annotations
 
@@ -16,22 +17,33 @@ import pytest
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
+from tests.unit.triton_interpreter import interpret_codec
 from tests.utils import fresh_process
-from vllm_graph_sleep import exponent_codec
+from vllm_graph_sleep import coded_backup, exponent_codec
 from vllm_graph_sleep.exponent_codec import MAX_CODE_BITS, build_table, decode_into, encode
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
+# On a GPU, as the other GPU tests, so that this process keeps no CUDA context.
+in_a_fresh_process_on_a_gpu = fresh_process if ON_GPU else (lambda test: test)
+compiled_kernels_only = pytest.mark.skipif(
+    not isinstance(exponent_codec._decode_kernel, triton.runtime.JITFunction),
+    reason="the kernels were defined under TRITON_INTERPRET=1",
+)
 
 
-@pytest.fixture(autouse=True)
-def interpreted_without_a_gpu(monkeypatch):
-    if not ON_GPU:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setattr(exponent_codec, "SYMBOLS_PER_LANE", 64)
-        monkeypatch.setattr(exponent_codec, "LANES_PER_PROGRAM", 16)
+@pytest.fixture
+def kernels():
+    """The codec's kernels: compiled on a GPU, interpreted without one."""
+    if ON_GPU:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        interpret_codec(monkeypatch, symbols_per_lane=32, lanes_per_program=64)
+        yield
 
 
 def bf16_weights(count: int, seed: int = 0) -> torch.Tensor:
@@ -57,7 +69,8 @@ def is_prefix_free(table) -> bool:
     return not any(a != b and b.startswith(a) for a in codes for b in codes)
 
 
-@fresh_process
+@in_a_fresh_process_on_a_gpu
+@pytest.mark.usefixtures("kernels")
 def test_bf16_weights_come_back_bit_exact_in_two_thirds_of_their_bytes():
     # Sizes around the lane and program boundaries: a partial last program, a
     # partial last lane. A piece too small to gain anything is left alone.
@@ -74,7 +87,8 @@ def test_bf16_weights_come_back_bit_exact_in_two_thirds_of_their_bytes():
         assert coded < 0.67 * data.numel(), (words, coded)
 
 
-@fresh_process
+@in_a_fresh_process_on_a_gpu
+@pytest.mark.usefixtures("kernels")
 def test_any_bytes_come_back_bit_exact_or_are_left_as_they_are():
     generator = torch.Generator().manual_seed(1)
     noise = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=generator).to(DEVICE)
@@ -106,7 +120,8 @@ def test_any_bytes_come_back_bit_exact_or_are_left_as_they_are():
     assert skewed_code is not None and max(skewed_code.piece.table.lengths) == MAX_CODE_BITS
 
 
-@fresh_process
+@in_a_fresh_process_on_a_gpu
+@pytest.mark.usefixtures("kernels")
 def test_piece_histograms_count_each_pieces_exponents_in_one_pass():
     per_program = exponent_codec.HISTOGRAM_BLOCK * exponent_codec.HISTOGRAM_BLOCKS_PER_PROGRAM
     # Two whole pieces and a partial third; a repeated word makes one count large.
@@ -141,10 +156,7 @@ def test_bad_input_is_refused_with_the_reason():
     assert encode(torch.zeros(0, dtype=torch.uint8)) is None
 
 
-@pytest.mark.skipif(
-    not isinstance(exponent_codec._decode_kernel, triton.runtime.JITFunction),
-    reason="the kernels were defined under TRITON_INTERPRET=1",
-)
+@compiled_kernels_only
 def test_no_size_makes_triton_compile_a_kernel_again():
     # The worker's warm-up compiles the kernels once (coded_backup.prepare); a
     # size Triton specialized on (divisible by 16, equal to 1) would make it
@@ -161,10 +173,7 @@ def test_no_size_makes_triton_compile_a_kernel_again():
         assert names & sizes <= set(kernel.do_not_specialize), kernel.fn.__name__
 
 
-@pytest.mark.skipif(
-    not isinstance(exponent_codec._decode_kernel, triton.runtime.JITFunction),
-    reason="the kernels were defined under TRITON_INTERPRET=1",
-)
+@compiled_kernels_only
 @pytest.mark.parametrize(
     "target", [GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)], ids=["sm_90", "gfx942"]
 )
@@ -177,7 +186,14 @@ def test_the_kernels_compile_for_an_h200_and_an_mi300(target):
         (exponent_codec._count_kernel, {**count, "lane_bits": "*i32"}, lanes),
         (
             exponent_codec._encode_kernel,
-            {**count, "codes": "*i32", "starts": "*i32", "stream": "*i32", "raw": "*u8"},
+            {
+                **count,
+                "codes": "*i32",
+                "starts": "*i32",
+                "stream": "*i32",
+                "raw": "*u8",
+                "ends": "*i32",
+            },
             lanes,
         ),
         *(
@@ -212,3 +228,28 @@ def test_the_kernels_compile_for_an_h200_and_an_mi300(target):
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
         binary = "cubin" if target.backend == "cuda" else "hsaco"
         assert binary in triton.compile(source, target=target).asm, kernel.fn.__name__
+
+
+@compiled_kernels_only
+def test_an_allocation_of_4_gib_or_more_launches_the_variant_the_warm_up_compiled(monkeypatch):
+    # Triton passes a size of 2**31 or more as i64 whatever do_not_specialize
+    # says: a 4 GiB allocation's histogram must not take another variant than
+    # the warm-up's sample (coded_backup.prepare) compiled, at its first sleep.
+    real = exponent_codec._histogram_kernel
+    launches = []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *arguments, **constants: launches.append((arguments, constants))
+
+    monkeypatch.setattr(exponent_codec, "_histogram_kernel", Recorded())
+    sample = torch.empty(2 * coded_backup.SAMPLE_WORDS, dtype=torch.uint8)  # what prepare codes
+    large = torch.empty(4 << 30, dtype=torch.uint8, device="meta")  # no memory behind it
+    coded_backup._histograms([[(sample, sample)], [(large, large)]], torch.device("cpu"))
+    assert launches[1][0][1] == 1 << 31  # the large one's size, in words
+    # What Triton's launcher makes of the arguments, on an H200: the cache key
+    # of the compiled variant (triton/runtime/jit.py, JITFunction.run).
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(real.signature, real.params, backend)
+    warm_up, first_sleep = (binder(*arguments, **constants)[1] for arguments, constants in launches)
+    assert warm_up == first_sleep

@@ -22,7 +22,12 @@ import pytest
 import torch
 
 from tests.utils import cuda_only, fresh_process, requires_gpu
-from vllm_graph_sleep.allocator import GRAPH_TAG, GraphSleepAllocator, WakeUpError
+from vllm_graph_sleep.allocator import (
+    GRAPH_TAG,
+    SETTLE_AFTER_SLEEP_ENV,
+    GraphSleepAllocator,
+    WakeUpError,
+)
 
 pytestmark = requires_gpu
 
@@ -1010,6 +1015,129 @@ def test_coded_weight_backups_come_back_bit_exact_in_two_thirds_of_the_bytes(cap
         with poisoned_remaps(alloc):
             alloc.wake_up()
         assert torch.equal(weights, source) and torch.equal(noise, noise_source)
+
+
+@fresh_process
+@pytest.mark.parametrize("lane, bits", [(-1, -3 * 32), (0, 32)], ids=["under", "over"])
+def test_a_count_that_disagrees_with_the_encoder_is_kept_raw(monkeypatch, caplog, lane, bits):
+    """The compiled coder with a count kernel that under-reports the last
+    lane's bits (the check decoded up to the bound and passed; the wake read
+    zeros past the total) or over-reports a lane's: every piece is kept raw,
+    logged, and comes back bit-exact (issue 34, item 1)."""
+    from vllm_graph_sleep import coded_backup, exponent_codec
+
+    alloc = manager()
+    alloc.compress_backups = True
+    alloc.prepare_backup_coding(torch.device("cuda", torch.cuda.current_device()))
+    real_count_lanes = exponent_codec.count_lanes
+
+    def count_wrong(words, lengths, lane_bits):
+        real_count_lanes(words, lengths, lane_bits)
+        lane_bits[lane] += bits
+
+    monkeypatch.setattr(exponent_codec, "count_lanes", count_wrong)
+    generator = torch.Generator("cuda").manual_seed(5)
+    source = (torch.randn(64 * MIB, generator=generator, device="cuda") * 0.02).to(torch.bfloat16)
+    with alloc.use_memory_pool("weights"):
+        weights = torch.empty_like(source)  # 128 MiB: two pieces
+    weights.copy_(source)
+    with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
+        alloc.sleep(offload_tags=("weights",))
+    pieces = allocation_of(alloc, weights).coded.pieces
+    assert len(pieces) == 128 * MIB // coded_backup.PIECE_BYTES
+    assert all(piece.coded is None for piece in pieces)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == len(pieces), errors
+    assert all("(1 lanes did not end where their counts said" in error for error in errors), errors
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    assert torch.equal(weights, source)
+
+
+def hold_all_free_memory_but(keep: int, smallest: int = 16 * MIB) -> list[torch.Tensor]:
+    """Takes device memory from torch's own pool until less than `keep` +
+    `smallest` is free, never below `keep`: torch rounds a request over 10 MiB
+    to 2 MiB (a smaller one can take a 20 MiB block)."""
+    held, size = [], GIB
+    while size >= smallest:
+        if torch.cuda.mem_get_info()[0] - keep < size:
+            size //= 2
+            continue
+        try:
+            held.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            size //= 2
+    return held
+
+
+@fresh_process
+def test_a_coded_wake_fits_in_exactly_what_the_sleep_freed(monkeypatch):
+    """The decoder's two staging slots (about 86 MiB for 64 MiB pieces) are
+    taken while the KV cache is still unmapped and given back before it maps:
+    a coded wake needs no more free memory than the sleep freed, as a raw one
+    (issue 34, item 11)."""
+    # No driver probe while asleep: its passing mapping would be counted out
+    # of what the sleep freed (a wake stops the probe before it maps).
+    monkeypatch.setenv(SETTLE_AFTER_SLEEP_ENV, "0")
+    alloc = manager()
+    alloc.compress_backups = True
+    alloc.prepare_backup_coding(torch.device("cuda", torch.cuda.current_device()))
+    generator = torch.Generator("cuda").manual_seed(3)
+    source = (torch.randn(512 * MIB, generator=generator, device="cuda") * 0.02).to(torch.bfloat16)
+    with alloc.use_memory_pool("weights"):
+        weights = torch.empty_like(source)  # 1 GiB: 16 pieces
+    weights.copy_(source)
+    with alloc.use_memory_pool("kv_cache"):
+        kv = torch.empty(4 * GIB, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_awake = torch.cuda.mem_get_info()[0]
+    alloc.sleep(offload_tags=("weights",))
+    assert allocation_of(alloc, weights).coded is not None
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    assert freed >= weights.nbytes + kv.nbytes
+    blocker = hold_all_free_memory_but(freed)
+    free_blocked = torch.cuda.mem_get_info()[0]
+    assert freed <= free_blocked < freed + 16 * MIB
+    alloc.wake_up()
+    assert torch.equal(weights, source)
+    kv[-MIB:].fill_(4)
+    assert int(kv[-MIB:].sum()) == 4 * MIB
+    del blocker
+
+
+@fresh_process
+def test_a_weight_allocation_of_4_gib_is_coded_without_compiling_after_the_warm_up():
+    """A size of 2**31 or more is passed to Triton as i64 whatever
+    do_not_specialize says: the histogram kernel took a second variant at the
+    first sleep of an engine with a 4 GiB weight allocation, after the
+    warm-up (issue 34, item 10). Counted in Triton's cache of each kernel."""
+    from vllm_graph_sleep import exponent_codec
+
+    alloc = manager()
+    alloc.compress_backups = True
+    device = torch.cuda.current_device()
+    alloc.prepare_backup_coding(torch.device("cuda", device))  # the worker's warm-up
+    kernels = {
+        name: getattr(exponent_codec, name)
+        for name in ("_histogram_kernel", "_count_kernel", "_encode_kernel", "_decode_kernel")
+    }
+
+    def variants() -> dict[str, int]:
+        return {name: len(kernel.device_caches[device][0]) for name, kernel in kernels.items()}
+
+    warmed_up = variants()
+    assert all(warmed_up.values()), warmed_up
+    with alloc.use_memory_pool("weights"):
+        weights = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda")  # 4 GiB
+    weights.normal_(0, 0.02, generator=torch.Generator("cuda").manual_seed(4))
+    expected = weights.clone()
+    alloc.sleep(offload_tags=("weights",))
+    coded = allocation_of(alloc, weights).coded
+    assert coded is not None and all(piece.coded is not None for piece in coded.pieces)
+    alloc.wake_up()
+    assert torch.equal(weights, expected)
+    assert variants() == warmed_up
 
 
 CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory
