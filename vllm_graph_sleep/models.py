@@ -57,6 +57,14 @@ LLAMA_SHAPES = {
     "llama": (1024, 2816, 8, 16, 8, 64, 10000.0),
     "llama_8b": (4096, 14336, 32, 32, 8, 128, 500000.0),
 }
+#: The architecture each kind's config.json names (what vLLM's model registry inspects).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "llama_8b": "LlamaForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+}
 #: Kinds with a vision encoder (and an image processor beside the tokenizer).
 VISION_KINDS = frozenset({"qwen2_5_vl"})
 

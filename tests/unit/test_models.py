@@ -26,6 +26,7 @@ import pytest
 
 from vllm_graph_sleep import models
 from vllm_graph_sleep.models import (
+    ARCHITECTURES,
     IMAGE_TOKEN,
     KINDS,
     MARKER_NAME,
@@ -115,6 +116,7 @@ def test_vllm_config_loader_accepts(built, kind):
         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     }[kind]
     assert config.architectures == [arch]
+    assert ARCHITECTURES[kind] == arch  # what the bench warms vLLM's model-info cache for
     assert config.dtype == torch.bfloat16
     if kind == "qwen2_5_vl":
         text, vision = config.text_config, config.vision_config

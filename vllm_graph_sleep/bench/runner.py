@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_graph_sleep.bench import estimate, floor, start_rounds
+from vllm_graph_sleep.bench import estimate, floor, model_info, start_rounds
 from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.gpu import MemorySource
 from vllm_graph_sleep.bench.report import SCHEMA, floor_line, format_table, write_json
@@ -93,6 +93,15 @@ def resolve_model(settings: BenchSettings, progress: Callable[[str], None]) -> s
         progress(f"making the {settings.model_kind} model in {target} (once; reused next time)")
         _make_model_in_a_child(settings.model_kind, target)
     return str(target)
+
+
+def _architecture(settings: BenchSettings) -> str | None:
+    """The architecture the run's model has, known before a made model exists."""
+    if settings.model is not None:
+        return model_info.architecture_of(Path(settings.model).expanduser())
+    from vllm_graph_sleep.models import ARCHITECTURES
+
+    return ARCHITECTURES.get(settings.model_kind)
 
 
 def _make_model_in_a_child(kind: str, target: Path) -> None:
@@ -179,7 +188,16 @@ def run(
     progress(f"results go to {out}")
     making = model_to_make(settings)
     progress(estimate.describe(settings, making))
+    # The floor first, while nothing of the bench's holds the GPU; then vLLM's
+    # model-info cache is warmed while the model is made (bench/model_info.py).
+    measured_floor = None
+    if settings.floor:
+        progress(f"measuring the floor: {floor.WHAT}")
+        measured_floor = floor.measure(memory, server_env(env))
+    warming = model_info.start(_architecture(settings), server_env(env))
     model = resolve_model(settings, progress)
+    warmed = model_info.finish(warming)
+    progress(f"vLLM's model-info cache warmed: {warmed}")
     results: dict[str, Any] = {
         "schema": SCHEMA,
         "command": sys.argv,
@@ -189,6 +207,7 @@ def run(
         "host": host_info(memory),
         "switches": switches_set(server_env(env)),
         "engine_core_start": env[MULTIPROC_METHOD],
+        "model_info_warm": warmed,
         "estimate_s": round(estimate.estimate_s(settings, making), 1),
         "configs": [],
     }
@@ -198,9 +217,8 @@ def run(
         results["duration_s"] = round(time.monotonic() - started, 1)
         write_json(results, out / RESULTS_JSON)
 
-    if settings.floor:
-        progress(f"measuring the floor: {floor.WHAT}")
-        results["floor"] = floor.measure(memory, server_env(env))
+    if measured_floor is not None:
+        results["floor"] = measured_floor
         progress(floor_line(results) or "")
     for name in settings.configs:
         port = free_port()

@@ -1,0 +1,71 @@
+"""Warming vLLM's model-info cache while the bench makes its model.
+
+A host's first `vllm serve` of an architecture spends about 20 s inspecting the
+model class in a child process (vllm/model_executor/models/registry.py) before
+its engine starts, then caches what it found under VLLM_CACHE_ROOT/modelinfos;
+every later start reads the cache. Without a warm-up, whichever configuration
+the bench starts first pays it alone, which made ours' first start look 1.57x
+stock's on a fresh H200 (docs/results/bench-default.md). The bench asks the
+registry for the same inspection in a child process of its own while it makes
+the model, and waits for it before the first server starts, so every
+configuration starts with the cache warm.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+#: Seconds a warm-up may take before the bench goes on without it (the server
+#: then inspects the model itself, as without a warm-up).
+WAIT_S = 90.0
+
+# Run in the child: vLLM's own inspection of one architecture, which writes the
+# cache the servers read (ModelRegistry._try_inspect_model_cls, vLLM 0.26.0).
+_INSPECT = (
+    "import sys\n"
+    "from vllm.model_executor.models.registry import ModelRegistry\n"
+    "inspect = getattr(ModelRegistry, '_try_inspect_model_cls', None)\n"
+    "sys.exit(3 if inspect is None else 0 if inspect(sys.argv[1]) is not None else 4)\n"
+)
+
+
+def architecture_of(model_dir: str | Path) -> str | None:
+    """The first architecture a model directory's config.json names, if any."""
+    try:
+        names = json.loads((Path(model_dir) / "config.json").read_text())["architectures"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return names[0] if isinstance(names, list) and names else None
+
+
+def start(architecture: str | None, env: dict[str, str]) -> subprocess.Popen | None:
+    """Starts the inspection of `architecture` in a child process (None: nothing
+    to warm)."""
+    if architecture is None:
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-c", _INSPECT, architecture],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def finish(child: subprocess.Popen | None, wait_s: float = WAIT_S) -> str:
+    """Waits for the warm-up; says how it ended, for the progress line."""
+    if child is None:
+        return "no architecture to warm"
+    try:
+        code = child.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        return f"not done after {wait_s:.0f} s (stopped; the first server inspects the model)"
+    if code == 0:
+        return "done"
+    why = {3: "this vLLM has no ModelRegistry._try_inspect_model_cls"}.get(code, f"exit {code}")
+    return f"failed ({why}; the first server inspects the model)"
