@@ -8,8 +8,6 @@ import os
 
 import pytest
 
-from vllm_graph_sleep import cli
-from tests.unit.test_cli import fake_bench  # noqa: F401 (the fixture)
 from vllm_graph_sleep.bench import model_info
 
 
@@ -30,25 +28,6 @@ def test_finish_says_how_the_warm_up_ended(monkeypatch):
     child = model_info.start("X", dict(os.environ))
     assert "not done after 0 s (stopped" in model_info.finish(child, wait_s=0.2)
     assert child.returncode is not None  # killed, not left running
-
-
-def test_the_bench_warms_the_models_architecture_before_the_first_server(fake_bench, monkeypatch):
-    argv, out = fake_bench
-    model = argv[argv.index("--model") + 1]
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump({"architectures": ["SomeForCausalLM"]}, f)
-    seen = out.parent / "warmed"
-    monkeypatch.setattr(
-        model_info,
-        "_INSPECT",
-        f"import sys; open({str(seen)!r}, 'w').write(sys.argv[1])",
-    )
-    assert cli.main(argv) == 0
-    assert seen.read_text() == "SomeForCausalLM"
-    results = json.loads((out / "results.json").read_text())
-    assert results["model_info_warm"] == "done"
-    table = (out / "table.txt").read_text()
-    assert "and vLLM's model-info cache warmed before the first" in table
 
 
 @pytest.mark.slow

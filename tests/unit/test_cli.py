@@ -37,6 +37,7 @@ from vllm_graph_sleep.bench import (
     estimate,
     floor,
     gpu,
+    model_info,
     phases,
     plot,
     report,
@@ -569,6 +570,25 @@ def fake_bench(tmp_path, monkeypatch):
     argv = ["bench", "--model", str(model), "--out", str(out), "--cycles", "1"]
     argv += ["--decode-tokens", "8", "--max-tokens", "4"]
     return argv, out
+
+
+def test_the_bench_warms_the_models_architecture_before_the_first_server(fake_bench, monkeypatch):
+    argv, out = fake_bench
+    model = argv[argv.index("--model") + 1]
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump({"architectures": ["SomeForCausalLM"]}, f)
+    seen = out.parent / "warmed"
+    monkeypatch.setattr(
+        model_info,
+        "_INSPECT",
+        f"import sys; open({str(seen)!r}, 'w').write(sys.argv[1])",
+    )
+    assert cli.main(argv) == 0
+    assert seen.read_text() == "SomeForCausalLM"
+    results = json.loads((out / "results.json").read_text())
+    assert results["model_info_warm"] == "done"
+    table = (out / "table.txt").read_text()
+    assert "and vLLM's model-info cache warmed before the first" in table
 
 
 def test_bench_end_to_end_against_the_fake_server(fake_bench, capsys):
