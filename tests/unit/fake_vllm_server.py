@@ -330,7 +330,11 @@ def main() -> int:
         # vLLM's engine core dying at start-up while the API server hangs on.
         print("(EngineCore pid=1) ERROR [core.py:1330] EngineCore failed to start.", flush=True)
         print("(EngineCore pid=1) ERROR [core.py:1330] RuntimeError: Worker failed", flush=True)
-        time.sleep(600)
+        try:
+            time.sleep(600)
+        finally:
+            # The driver frees a stopped process's memory, as it would vLLM's.
+            args.used_file.unlink(missing_ok=True)
     # The line vLLM 0.26's engine core logs once it is initialized (v1/engine/core.py).
     compile_s = "" if args.config == "stock_eager" else " (compilation: 1.25 s)"
     print(
