@@ -143,6 +143,7 @@ ALL_BREAK = {
 NONE_BREAK = dict.fromkeys(ALL_BREAK, False)
 
 
+@pytest.mark.slow
 def test_variable_set_after_the_imports_breaks_in_a_forked_and_an_in_process_worker():
     report = _run(
         """
@@ -181,6 +182,7 @@ print("REPORT " + json.dumps(report))
     assert points and all(points.values()), points
 
 
+@pytest.mark.slow
 def test_with_the_variable_off_a_worker_changes_nothing():
     report = _run(
         """
@@ -198,6 +200,7 @@ print("REPORT " + json.dumps(report))
     assert not report["op_library"]  # no torch kernel registered
 
 
+@pytest.mark.slow
 def test_an_architecture_vllm_turns_breakable_graphs_on_for_breaks_after_attention_imports(
     tmp_path,
 ):

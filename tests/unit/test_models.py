@@ -299,6 +299,7 @@ def test_vllm_processes_image_prompts(built):
     assert dummy["prompt_token_ids"].count(config.image_token_id) == 64
 
 
+@pytest.mark.slow
 def test_vllm_loads_every_weight(built):
     # One child process for all kinds: importing vLLM dominates the time.
     result = subprocess.run(
@@ -340,6 +341,7 @@ def test_second_call_reuses_the_model(tmp_path, monkeypatch):
     assert _stamps(path) == before
 
 
+@pytest.mark.slow
 def test_incomplete_or_other_models_are_rebuilt(tmp_path):
     path = make_model("llama", tmp_path / "m")
     digest = _sha(path / "model.safetensors")

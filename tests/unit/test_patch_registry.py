@@ -106,6 +106,7 @@ def _report_of(program: str) -> dict:
     return json.loads(line.removeprefix("REPORT "))
 
 
+@pytest.mark.slow
 def test_each_process_patches_only_what_it_imports():
     """In a fresh process, as vLLM loads it: the plugin imports none of the vLLM
     modules it patches except the one already there, and a worker module
@@ -155,6 +156,7 @@ print("REPORT " + json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_an_import_hook_that_searches_again_still_gets_a_patched_module():
     """Another finder that re-enters the import system for a module we wait for
     (found by a profiling hook: our finder raised KeyError and the engine did
