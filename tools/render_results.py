@@ -47,24 +47,18 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+from vllm_graph_sleep.units import MiB, format_exact_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "docs" / "results"
 INDEX = "index.md"
-MIB = 1 << 20
 Json = dict[str, Any]
 
 # -- formatting -------------------------------------------------------------------
 
 
 def mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / MIB:,.0f}"
-
-
-def size_text(size: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale} {unit}"
-    return f"{size} B"
+    return "n/a" if value is None else f"{value / MiB:,.0f}"
 
 
 def fixed(value: float | None, digits: int) -> str:
@@ -349,7 +343,7 @@ def render_allocator_bench(name: str, data: Json, charts: dict[str, str]) -> Sec
         lines += [
             "",
             f"Many small allocations: {small['tensors']} tensors of "
-            + ", ".join(size_text(s) for s in small["tensor_sizes"])
+            + ", ".join(format_exact_bytes(s) for s in small["tensor_sizes"])
             + " in turn, packed by torch into "
             f"{small['allocator_allocations']} allocations of the allocator "
             f"({mib(small['allocator_allocation_bytes'])} MiB). Milliseconds, median "
@@ -553,7 +547,7 @@ def render_sleep_memory(name: str, data: Json, charts: dict[str, str]) -> Sectio
     else:
         groups = [r["config"] for r in results]
         series = [
-            (f"level {lv}", [r[f"level{lv}_asleep_used_bytes"] / MIB for r in results])
+            (f"level {lv}", [r[f"level{lv}_asleep_used_bytes"] / MiB for r in results])
             for lv in LEVELS
         ]
         unit, chart_title = "MiB", "GPU memory used while asleep"

@@ -49,12 +49,12 @@ from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, ServerError, serve_command, server_env
 from vllm_graph_sleep.bench.settings import ALL_CONFIGS, BenchSettings
 from vllm_graph_sleep.request_gate import ASLEEP_WAIT_ENV, MAX_HELD_ENV
+from vllm_graph_sleep.units import MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
 FIXTURE = DATA / "bench-results-fixture.json"
 FAKE_SERVER = Path(__file__).parent / "fake_vllm_server.py"
-MiB = 2**20
 
 
 def bench_settings(argv: list[str]) -> BenchSettings:

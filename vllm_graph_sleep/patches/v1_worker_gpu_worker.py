@@ -74,11 +74,11 @@ from vllm_graph_sleep.allocator import (
     GraphSleepAllocator,
     WakeUpError,
     check_switches,
-    format_bytes,
 )
 from vllm_graph_sleep.breakable_order import mark_break_points
 from vllm_graph_sleep.patches._wrap import require, wrap_function
 from vllm_graph_sleep.probe import remember_pools_of_earlier_engines
+from vllm_graph_sleep.units import format_bytes
 
 logger = logging.getLogger("vllm.graph_sleep")
 WHERE = "vllm.v1.worker.gpu_worker"
