@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from vllm_graph_sleep import config
+from vllm_graph_sleep.all_reduce_counts import captured_all_reduces
 from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.ledger import ledger
 
@@ -177,10 +178,6 @@ def custom_all_reduce_captures() -> dict[str, int] | None:
     """How many captured all-reduces of vLLM's custom all-reduce took the copy-in
     path and how many read a registered (IPC-exported) input; None without one.
     Counted only while graph offload is active."""
-    from vllm_graph_sleep.patches.distributed_device_communicators_custom_all_reduce import (
-        captured_all_reduces,
-    )
-
     custom = _tp_custom_all_reduce()
     return None if custom is None else captured_all_reduces(custom)
 
