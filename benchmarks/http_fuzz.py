@@ -324,7 +324,7 @@ def start_server(args) -> tuple[object, str, str]:
         print("http_fuzz: needs a GPU to start vllm serve (or give --base-url)", file=sys.stderr)
         raise SystemExit(2)
     from vllm_graph_sleep.bench.server import Server, free_port, serve_command, server_env
-    from vllm_graph_sleep.models import make_model
+    from vllm_graph_sleep.testing.models import make_model
 
     model = args.model or str(
         make_model("llama", Path("~/.cache/vllm-graph-sleep").expanduser() / "llama")

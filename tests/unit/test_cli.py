@@ -151,7 +151,7 @@ def test_bench_model_dir_must_be_a_model(tmp_path):
 
 
 def test_the_bench_makes_its_model_in_a_child_process(tmp_path, monkeypatch):
-    from vllm_graph_sleep import models
+    from vllm_graph_sleep.testing import models
 
     # In this process it would keep the GPU busy (a large kind is drawn there).
     monkeypatch.setattr(models, "make_model", lambda *a, **k: pytest.fail("made in the bench"))

@@ -346,7 +346,7 @@ class FakeCore:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    from vllm_graph_sleep.models import make_model
+    from vllm_graph_sleep.testing.models import make_model
 
     return make_model("llama", tmp_path_factory.mktemp("model") / "llama")
 
