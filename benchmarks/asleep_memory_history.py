@@ -34,7 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-MiB = 2**20
+from vllm_graph_sleep.units import MiB
+
 T0 = time.monotonic()
 
 

@@ -27,11 +27,11 @@ import json
 import os
 import sys
 
-MIB = 1 << 20
+from vllm_graph_sleep.units import MiB
 
 
 def mib(value: int) -> float:
-    return round(value / MIB, 1)
+    return round(value / MiB, 1)
 
 
 def main() -> int:

@@ -58,16 +58,15 @@ from typing import Any
 
 import torch
 
+from vllm_graph_sleep.units import GiB, KiB, MiB
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = "docs/results/allocator-bench-h200.json"
 TAG = "weights"
-GIB = 1 << 30
-KIB = 1 << 10
-MIB = 1 << 20
 GB = 1e9
 TARGET_RATIO = 0.8
-SMALL_SIZES = (64 * KIB, 256 * KIB, 1 * MIB, 2 * MIB)
-VERIFY_CHUNK = 256 * MIB
+SMALL_SIZES = (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB)
+VERIFY_CHUNK = 256 * MiB
 
 Json = dict[str, Any]
 
@@ -237,7 +236,7 @@ def plain_copies(
 def bandwidth_case(size_gib: float, repeats: int) -> Json:
     alloc = _allocator_class().get_instance()
     nvml = Nvml()
-    nbytes = int(size_gib * GIB)
+    nbytes = int(size_gib * GiB)
     (tensor,), allocation_sizes = tagged_tensors(alloc, [nbytes])
     reference = tensor.clone()  # torch's own pool, not ours
     plain_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -401,7 +400,7 @@ def print_tables(report: Json) -> None:
     print(
         f"\nsmall allocations: {small['tensors']} tensors in "
         f"{small['allocator_allocations']} allocator allocations "
-        f"({small['allocator_allocation_bytes'] / MIB:.0f} MiB); ms, median (first)"
+        f"({small['allocator_allocation_bytes'] / MiB:.0f} MiB); ms, median (first)"
     )
     for mode in ("offload", "drop"):
         timing = small[mode]

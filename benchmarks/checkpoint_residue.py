@@ -74,9 +74,9 @@ from vllm_graph_sleep.cuda_checkpoint import (
     DriverCallError,
 )
 from vllm_graph_sleep.testing import PROMPTS
+from vllm_graph_sleep.units import MiB
 
 SCHEMA = 1
-MiB = 2**20
 RESULTS_JSON = "results.json"
 RUN_LOG = "run.log"
 #: Configuration: (server, sleep level before the checkpoint; None: no sleep).

@@ -37,9 +37,8 @@ import time
 import torch
 
 from vllm_graph_sleep import exponent_codec
+from vllm_graph_sleep.units import GiB, MiB
 
-MIB = 1 << 20
-GIB = 1 << 30
 # H200 run 12, 8B-class Llama (docs/results/archive/bench-h200-run12.md).
 RUN12_OUTSIDE_COPY_MS = 274.0 - 254.9
 RUN12_COPY_MS = 254.9
@@ -107,7 +106,7 @@ def measure(data: torch.Tensor, piece_bytes: int, repeats: int) -> dict:
     median = {name: statistics.median(times) for name, times in runs.items()}
     projected = RUN12_OUTSIDE_COPY_MS + RUN12_COPY_MS * median["pipelined"] / median["plain"]
     return {
-        "piece_mib": piece_bytes / MIB,
+        "piece_mib": piece_bytes / MiB,
         "encoded_share": sum(e.piece.encoded_bytes for e in encoded) / total,
         "encode_ms": encode_ms,
         "runs_ms": runs,
@@ -133,15 +132,15 @@ def main() -> int:
         return 2
     device = torch.device("cuda")
     generator = torch.Generator(device).manual_seed(0)
-    weights = torch.randn(args.gib * GIB // 2, generator=generator, device=device) * 0.02
+    weights = torch.randn(args.gib * GiB // 2, generator=generator, device=device) * 0.02
     data = weights.to(torch.bfloat16).view(torch.uint8)
     del weights
     # Compile the kernels before anything is timed.
-    warm = exponent_codec.encode(data[: 4 * MIB])
-    exponent_codec.decode_into(warm, torch.empty(4 * MIB, dtype=torch.uint8, device=device))
+    warm = exponent_codec.encode(data[: 4 * MiB])
+    exponent_codec.decode_into(warm, torch.empty(4 * MiB, dtype=torch.uint8, device=device))
     results = []
     for piece_mib in args.piece_mib:
-        result = measure(data, piece_mib * MIB, args.repeats)
+        result = measure(data, piece_mib * MiB, args.repeats)
         print("RESULT " + json.dumps(result), flush=True)
         results.append(result)
     summary = {

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-MIB = 1 << 20
+from vllm_graph_sleep.units import MiB
 
 
 def used_bytes() -> int:
@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             print(
                 f"{graphs:5d} graphs x {nodes:3d} kernels: outside the pool while asleep "
-                f"{result['outside_pool_asleep_bytes'] / MIB:8.1f} MiB "
+                f"{result['outside_pool_asleep_bytes'] / MiB:8.1f} MiB "
                 f"({result['outside_per_graph_bytes'] / 1024:6.1f} KiB/graph), "
-                f"given back by destroying them {result['released_by_destroy_bytes'] / MIB:8.1f} "
-                f"MiB, pool {result['pool_mapped_bytes'] / MIB:.1f} MiB, "
+                f"given back by destroying them {result['released_by_destroy_bytes'] / MiB:8.1f} "
+                f"MiB, pool {result['pool_mapped_bytes'] / MiB:.1f} MiB, "
                 f"replay {'exact' if result['replay_exact'] else 'WRONG'}"
             )
     from bench_allocator import environment

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_graph_sleep.bench.client import greedy_completion_body
+from vllm_graph_sleep.units import MiB
 
 PROMPTS = ["The quick brown fox", "Sleep mode lets a server"]
 LEVELS = ("0", "1", "2")
@@ -44,7 +45,6 @@ TAGS = ("weights", "kv_cache", "scheduling")
 BAD_LEVELS = ("3", "-1", "1.5", "abc", "", "99999999999999999999999", "1e9", "%FF", "%00")
 #: The server's VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S when this script starts it.
 ASLEEP_WAIT_S = 5
-MiB = 2**20
 
 
 @dataclass
@@ -324,7 +324,7 @@ def start_server(args) -> tuple[object, str, str]:
         print("http_fuzz: needs a GPU to start vllm serve (or give --base-url)", file=sys.stderr)
         raise SystemExit(2)
     from vllm_graph_sleep.bench.server import Server, free_port, serve_command, server_env
-    from vllm_graph_sleep.models import make_model
+    from vllm_graph_sleep.testing.models import make_model
 
     model = args.model or str(
         make_model("llama", Path("~/.cache/vllm-graph-sleep").expanduser() / "llama")

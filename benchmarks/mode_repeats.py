@@ -1,7 +1,7 @@
 """Is a cudagraph mode stable on stock vLLM, before any sleep? (one GPU, one engine)
 
 Starts stock vLLM (no graph offload) on a locally made model in one cudagraph mode,
-with the engine tests' settings (vllm_graph_sleep/testing.start_engine, capture sizes
+with the engine tests' settings (vllm_graph_sleep.testing.start_engine, capture sizes
 1/2/4/8), generates greedy tokens for FULL_MODE_PROMPTS (each longer than the
 largest capture size, so no prefill replays a graph in any mode) once as the reference and
 then `--repeats` more times. A mode whose repeats differ from its reference, or

@@ -42,8 +42,8 @@ import sys
 import time
 
 from vllm_graph_sleep.bench.start_rounds import rotated
+from vllm_graph_sleep.units import MiB
 
-MIB = 1 << 20
 MODES = (
     "torch-async",
     "torch-sync",
@@ -129,8 +129,8 @@ def child(mode: str, sizes: list[int]) -> dict:
         "transparent_hugepages": _transparent_hugepages(),
         "alloc_s": round(alloc_s, 4),
         "total_s": round(total_s, 4),
-        "pinned_mib": round(pinned / MIB, 1),
-        "backup_mib": round(sum(sizes) / MIB, 1),
+        "pinned_mib": round(pinned / MiB, 1),
+        "backup_mib": round(sum(sizes) / MiB, 1),
     }
 
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("pinning: no CUDA or ROCm GPU visible; nothing to run", file=sys.stderr)
         return 2
-    sizes = [int(size * MIB) for size in args.sizes_mib]
+    sizes = [int(size * MiB) for size in args.sizes_mib]
     if args.child:
         print("RESULT " + json.dumps(child(args.child, sizes)), flush=True)
         return 0

@@ -117,7 +117,7 @@ def main() -> int:
 
     model = args.model
     if model is None:
-        from vllm_graph_sleep.models import make_model
+        from vllm_graph_sleep.testing.models import make_model
 
         cache = Path("~/.cache/vllm-graph-sleep").expanduser() / args.model_kind
         model = str(make_model(args.model_kind, cache))

@@ -131,7 +131,7 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_graph_sleep.models import make_model
+    from vllm_graph_sleep.testing.models import make_model
 
     cache = Path(os.environ.get("VLLM_GRAPH_SLEEP_MODEL_CACHE", "~/.cache/vllm-graph-sleep"))
     model = args.model or str(make_model(args.kind, cache.expanduser() / args.kind))

@@ -41,9 +41,8 @@ from vllm_graph_sleep.bench.gpu import MemorySource, NoGpuError, settle, wait_re
 from vllm_graph_sleep.bench.runner import Progress
 from vllm_graph_sleep.bench.server import ServerError
 from vllm_graph_sleep.testing import PROMPTS, model_dir
+from vllm_graph_sleep.units import GiB, MiB
 
-MiB = live.MiB
-GiB = 1024 * MiB
 CASES = ((1, "full"), (1, "staged"), (2, "full"), (2, "staged"))
 #: What the second process prints once it holds the memory:
 #: "READY <bytes held> <free bytes before> <free bytes after>".

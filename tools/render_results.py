@@ -24,9 +24,10 @@ Output: index.md, tables.md, one SVG bar chart per recognised benchmark file,
 named after it (<stem>.svg). The output depends on the input files only (no clock,
 no host, sorted listings, fixed number formats), so rendering twice gives the same
 bytes; tests/unit/test_render_results.py checks that the committed files and
-README's table are what this script renders. Standard library only, plus this
-package's bench report for `vllm-graph-sleep bench` results (the same table the
-bench prints).
+README's table are what this script renders. A bench run's section and README's
+table come from the bench's own renderer (vllm_graph_sleep.bench.markdown: the same
+rows the bench prints), the charts from its chart engine (matplotlib, the `bench`
+extra; without it the charts are left as they are, said in one line).
 
     python tools/render_results.py              # rewrite index.md, tables.md and the charts
     python tools/render_results.py --check      # exit 1 if they or README's table are stale
@@ -40,31 +41,33 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shlex
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from xml.sax.saxutils import escape
+
+from vllm_graph_sleep.bench.markdown import (
+    code,
+    is_bench_run,
+    provenance,
+    readme_table,
+    run_lines,
+    run_title,
+    short_command,
+    table,
+)
+from vllm_graph_sleep.units import MiB, format_exact_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "docs" / "results"
 INDEX = "index.md"
-MIB = 1 << 20
 Json = dict[str, Any]
 
 # -- formatting -------------------------------------------------------------------
 
 
 def mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / MIB:,.0f}"
-
-
-def size_text(size: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
-        if size >= scale and size % scale == 0:
-            return f"{size // scale} {unit}"
-    return f"{size} B"
+    return "n/a" if value is None else f"{value / MiB:,.0f}"
 
 
 def fixed(value: float | None, digits: int) -> str:
@@ -77,22 +80,6 @@ def flag(value: Any) -> str:
     return "yes" if value else "**no**"
 
 
-def code(text: str) -> str:
-    return f"`{text}`"
-
-
-def command_text(command: Any) -> str:
-    if isinstance(command, list):
-        return shlex.join(str(part) for part in command)
-    return str(command)
-
-
-def table(header: list[str], rows: Iterable[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
-    return lines
-
-
 def anchor(title: str) -> str:
     """GitHub's heading anchor: lower case, punctuation dropped, spaces to dashes."""
     kept = "".join(c for c in title.lower() if c.isalnum() or c in " -_")
@@ -101,102 +88,28 @@ def anchor(title: str) -> str:
 
 # -- charts -----------------------------------------------------------------------
 
-PALETTE = ("#4c72b0", "#a1c9f4", "#dd8452", "#ffb482", "#55a868", "#8de5a1")
+
+#: Charts left undrawn for want of matplotlib (main says so in one line).
+UNDRAWN: list[str] = []
 
 
-def _nice_top(value: float) -> tuple[float, float]:
-    """An axis top >= value and a tick step, from 1, 2, 2.5 or 5 times a power of 10."""
-    if value <= 0:
-        return 1.0, 0.2
-    magnitude = 1.0
-    while magnitude * 10 <= value:
-        magnitude *= 10
-    while magnitude > value:
-        magnitude /= 10
-    for factor in (0.1, 0.2, 0.25, 0.5, 1, 2, 2.5, 5, 10):
-        step = factor * magnitude
-        if step * 5 >= value:
-            top = step * 5
-            while top - step >= value:
-                top -= step
-            return top, step
-    return value, value / 5
+def draw_bar_chart(
+    charts: dict[str, str],
+    chart: str,
+    title: str,
+    unit: str,
+    groups: list[str],
+    series: list[tuple[str, list[float]]],
+) -> None:
+    """charts[chart]: a grouped bar chart as a self-contained SVG document, drawn
+    by the bench's chart engine (matplotlib); left out, and noted, without it."""
+    from vllm_graph_sleep.bench.charts import grouped_bar_svg
+    from vllm_graph_sleep.bench.plot import PlotUnavailable
 
-
-def _num(value: float) -> str:
-    return f"{value:.1f}"
-
-
-def _label(value: float) -> str:
-    return f"{value:,.0f}" if abs(value) >= 100 or value == 0 else f"{value:.1f}"
-
-
-def bar_chart(
-    title: str, unit: str, groups: list[str], series: list[tuple[str, list[float]]]
-) -> str:
-    """A grouped bar chart as a self-contained SVG document."""
-    width, height = 720, 360
-    left, right, top, bottom = 70, 20, 60, 50
-    plot_w, plot_h = width - left - right, height - top - bottom
-    peak = max([v for _, values in series for v in values] + [0.0])
-    axis_top, step = _nice_top(peak)
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
-        f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text x="{width / 2:.1f}" y="20" text-anchor="middle" font-size="14" '
-        f'font-weight="bold">{escape(title)}</text>',
-    ]
-    # Legend.
-    x = left
-    for index, (name, _) in enumerate(series):
-        color = PALETTE[index % len(PALETTE)]
-        out.append(f'<rect x="{x}" y="32" width="12" height="12" fill="{color}"/>')
-        out.append(f'<text x="{x + 16}" y="42">{escape(name)}</text>')
-        x += 24 + 7 * len(name)
-    # Axis and grid.
-    ticks = round(axis_top / step)
-    for tick in range(ticks + 1):
-        value = step * tick
-        y = top + plot_h - plot_h * value / axis_top
-        out.append(
-            f'<line x1="{left}" y1="{_num(y)}" x2="{width - right}" y2="{_num(y)}" '
-            f'stroke="#dddddd"/>'
-        )
-        out.append(f'<text x="{left - 6}" y="{_num(y + 4)}" text-anchor="end">{value:g}</text>')
-    out.append(
-        f'<text x="16" y="{_num(top + plot_h / 2)}" text-anchor="middle" '
-        f'transform="rotate(-90 16 {_num(top + plot_h / 2)})">{escape(unit)}</text>'
-    )
-    # Bars.
-    group_w = plot_w / max(len(groups), 1)
-    bar_w = group_w * 0.8 / max(len(series), 1)
-    for g, group in enumerate(groups):
-        x0 = left + g * group_w + group_w * 0.1
-        for s, (_, values) in enumerate(series):
-            value = values[g]
-            h = plot_h * max(value, 0.0) / axis_top
-            x = x0 + s * bar_w
-            y = top + plot_h - h
-            color = PALETTE[s % len(PALETTE)]
-            out.append(
-                f'<rect x="{_num(x)}" y="{_num(y)}" width="{_num(bar_w - 2)}" '
-                f'height="{_num(h)}" fill="{color}"/>'
-            )
-            out.append(
-                f'<text x="{_num(x + (bar_w - 2) / 2)}" y="{_num(y - 4)}" '
-                f'text-anchor="middle" font-size="10">{_label(value)}</text>'
-            )
-        out.append(
-            f'<text x="{_num(left + g * group_w + group_w / 2)}" y="{height - bottom + 18}" '
-            f'text-anchor="middle">{escape(group)}</text>'
-        )
-    out.append(
-        f'<line x1="{left}" y1="{top + plot_h}" x2="{width - right}" y2="{top + plot_h}" '
-        f'stroke="black"/>'
-    )
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    try:
+        charts[chart] = grouped_bar_svg(title, unit, groups, series)
+    except PlotUnavailable:
+        UNDRAWN.append(chart)
 
 
 # -- shared pieces ---------------------------------------------------------------
@@ -225,15 +138,6 @@ def environment_lines(environment: Json | None) -> list[str]:
     ]
     revision = environment.get("git_revision")
     lines.append(f"- Code: {code(revision) if revision else 'git revision not recorded'}.")
-    return lines
-
-
-def provenance(data: Json) -> list[str]:
-    lines = []
-    if data.get("command") is not None:
-        lines.append(f"- Command (as recorded): {code(command_text(data['command']))}")
-    if data.get("timestamp"):
-        lines.append(f"- Measured: {data['timestamp']}")
     return lines
 
 
@@ -332,7 +236,9 @@ def render_allocator_bench(name: str, data: Json, charts: dict[str, str]) -> Sec
     )
     if groups:
         chart = f"{Path(name).stem}.svg"
-        charts[chart] = bar_chart(
+        draw_bar_chart(
+            charts,
+            chart,
             "Sleep and wake bandwidth: allocator vs plain pinned copies",
             "GB/s",
             groups,
@@ -349,7 +255,7 @@ def render_allocator_bench(name: str, data: Json, charts: dict[str, str]) -> Sec
         lines += [
             "",
             f"Many small allocations: {small['tensors']} tensors of "
-            + ", ".join(size_text(s) for s in small["tensor_sizes"])
+            + ", ".join(format_exact_bytes(s) for s in small["tensor_sizes"])
             + " in turn, packed by torch into "
             f"{small['allocator_allocations']} allocations of the allocator "
             f"({mib(small['allocator_allocation_bytes'])} MiB). Milliseconds, median "
@@ -553,12 +459,12 @@ def render_sleep_memory(name: str, data: Json, charts: dict[str, str]) -> Sectio
     else:
         groups = [r["config"] for r in results]
         series = [
-            (f"level {lv}", [r[f"level{lv}_asleep_used_bytes"] / MIB for r in results])
+            (f"level {lv}", [r[f"level{lv}_asleep_used_bytes"] / MiB for r in results])
             for lv in LEVELS
         ]
         unit, chart_title = "MiB", "GPU memory used while asleep"
     chart = f"{Path(name).stem}.svg"
-    charts[chart] = bar_chart(chart_title, unit, groups, series)
+    draw_bar_chart(charts, chart, chart_title, unit, groups, series)
     lines += ["", f"![{chart_title}]({chart})"]
     return Section(title, name, lines, _platform_of(environment))
 
@@ -604,71 +510,12 @@ def render_generic_bench(name: str, data: Json, charts: dict[str, str]) -> Secti
 
 # -- vllm-graph-sleep bench ------------------------------------------------------------
 
-BENCH_SCHEMA = "vllm-graph-sleep-bench/"
-
-
-def is_bench_run(data: Any) -> bool:
-    return (
-        isinstance(data, dict)
-        and str(data.get("schema", "")).startswith(BENCH_SCHEMA)
-        and isinstance(data.get("summary"), dict)
-    )
-
 
 def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
-    # The same rows, labels and ratios as `vllm-graph-sleep bench` prints.
-    from vllm_graph_sleep.bench.ledger_table import note as ledger_note
-    from vllm_graph_sleep.bench.report import (
-        CONFIG_LABELS,
-        RATIO_NOTE,
-        floor_line,
-        ledger_rows,
-        table_rows,
-    )
-
-    title = f"`vllm-graph-sleep bench`: stock vs graph offload over HTTP ({name})"
-    settings = data.get("settings") or {}
     host = data.get("host") or {}
-    levels = [str(level) for level in settings.get("levels") or LEVELS]
-    wakes = list(settings.get("wakes") or ("full", "staged"))
-    names, rows, baseline = table_rows(data)
-    lines = [
-        "A real `vllm serve` per configuration, driven over HTTP: greedy completions, "
-        "`/sleep`, `/wake_up` (full, or `weights` then `kv_cache` with `reload_weights` "
-        f"after level 2). {RATIO_NOTE}"
-        + (f" Ratios against {CONFIG_LABELS.get(baseline, baseline)}." if baseline else ""),
-        "",
-        *provenance(data),
-        f"- Model: {code(str(data.get('model')))}, tp {settings.get('tp')}, "
-        f"{settings.get('cycles')} cycle(s) of levels {', '.join(levels)} x wakes "
-        f"{', '.join(wakes)}, gpu_memory_utilization {settings.get('gpu_memory_utilization')}",
-        "- Host: "
-        + ", ".join(
-            f"{key} {', '.join(map(str, host[key])) if isinstance(host[key], list) else host[key]}"
-            for key in ("gpus", "driver_version", "vllm", "torch", "python")
-            if host.get(key) is not None
-        ),
-        *[
-            f"- Switches the servers inherited: {code(f'{key}={value}')}"
-            for key, value in sorted((data.get("switches") or {}).items())
-        ],
-        "",
-    ]
-    lines += table(["", *[code(c) for c in names]], rows)
-    floor = floor_line(data)
-    if floor:
-        lines += ["", f"The run's {floor}."]
-    _, ledger_lines = ledger_rows(data)
-    if ledger_lines:
-        lines += [
-            "",
-            ledger_note(ledger_lines),
-            "",
-            *table(["", *[code(c) for c in names]], ledger_lines),
-        ]
-    plot = f"{Path(name).stem}.png"
-    lines += ["", f"![GPU memory through the cycles]({plot})"]
-    return Section(title, name, lines, "cuda" if host.get("gpus") else None)
+    return Section(
+        run_title(name), name, run_lines(name, data), "cuda" if host.get("gpus") else None
+    )
 
 
 #: The bench's charts of a run, drawn beside its JSON by `vllm-graph-sleep bench
@@ -720,15 +567,6 @@ def _page_title(path: Path) -> str:
     return path.stem
 
 
-def _short_command(command: Any) -> str:
-    """The recorded command with the interpreter's path to our CLI shown as the
-    console script it stands for."""
-    parts = [str(part) for part in command] if isinstance(command, list) else None
-    if parts and (parts[0].endswith("vllm_graph_sleep/cli.py") or parts[0] == "vllm-graph-sleep"):
-        return shlex.join(["vllm-graph-sleep", *parts[1:]])
-    return command_text(command)
-
-
 def _data_row(name: str, data: Any, kind: str, pages: list[str]) -> list[str]:
     data = data if isinstance(data, dict) else {}
     what = kind
@@ -743,7 +581,7 @@ def _data_row(name: str, data: Any, kind: str, pages: list[str]) -> list[str]:
         f"[{name}]({name})",
         what,
         when,
-        code(_short_command(command)) if command is not None else "not recorded",
+        code(short_command(command)) if command is not None else "not recorded",
         ", ".join(f"[{page}]({page})" for page in pages) or "none",
     ]
 
@@ -886,78 +724,6 @@ README_BEGIN = re.compile(r"<!-- results table: (?P<source>\S+?\.json)(?: code=(
 README_END = "<!-- end of results table -->"
 
 
-def _ms(value: float | None, reference: float | None) -> str:
-    if value is None:
-        return "-"
-    cell = f"{value:.0f}"
-    if reference not in (None, 0):
-        cell += f" ({value / reference:.2f}x)"
-    return cell
-
-
-def _sleeps_ms(record: Json) -> tuple[float | None, float | None]:
-    """The first sleep and the median of the later level-1 sleeps, in ms."""
-    steps = record.get("steps") or []
-    first = 1000 * steps[0]["sleep_s"] if steps else None
-    later = sorted(1000 * s["sleep_s"] for s in steps[1:] if s.get("level") == 1)
-    if not later:
-        return first, None
-    middle = len(later) // 2
-    median = later[middle] if len(later) % 2 else (later[middle - 1] + later[middle]) / 2
-    return first, median
-
-
-def readme_table(data: Json, source: str, page: str, revision: str | None) -> list[str]:
-    """README's one results table: asleep memory, the level-1 wake, the first and
-    later sleeps and the exact tokens of each configuration of a bench run, with
-    ratios against stock with graphs (or stock eager), and a line naming the run."""
-    from vllm_graph_sleep.bench.server import CONFIG_LABELS
-
-    summary = data["summary"]
-    names = list(summary)
-    baseline = next((b for b in ("stock_graphs", "stock_eager") if b in names), None)
-    records = {r["config"]: r for r in data.get("configs") or []}
-    sleeps = {name: _sleeps_ms(records.get(name) or {}) for name in names}
-
-    def asleep(name: str, level: str) -> str:
-        per_gpu = (summary[name].get("asleep_mib") or {}).get(level)
-        return " / ".join(f"{value:.0f}" for value in per_gpu) if per_gpu else "-"
-
-    def ratio_row(label: str, values: dict[str, float | None]) -> list[str]:
-        reference = values.get(baseline) if baseline else None
-        return [label] + [_ms(values[n], None if n == baseline else reference) for n in names]
-
-    rows = [
-        ["asleep, level 1 (MiB over the idle GPU)", *[asleep(n, "1") for n in names]],
-        ["asleep, level 2 (MiB over the idle GPU)", *[asleep(n, "2") for n in names]],
-        ratio_row(
-            "level-1 wake (ms)", {n: (summary[n].get("wake_ms") or {}).get("1 full") for n in names}
-        ),
-        ratio_row("first sleep (ms)", {n: sleeps[n][0] for n in names}),
-        ratio_row("later level-1 sleeps, median (ms)", {n: sleeps[n][1] for n in names}),
-        [
-            "tokens exact after each wake",
-            *["{}/{}".format(*summary[n]["exact"]) for n in names],
-        ],
-    ]
-    host = data.get("host") or {}
-    gpus = host.get("gpus") or []
-    revision = revision or host.get("git_revision") or data.get("git_revision")
-    where = f"{len(gpus)} x {gpus[0]}" if len(gpus) > 1 else (gpus[0] if gpus else "a GPU")
-    duration = data.get("duration_s")
-    took = f", {duration / 60:.1f} min end to end" if isinstance(duration, int | float) else ""
-    caption = (
-        f"From [{Path(source).name}]({source}) ({where}, vLLM {host.get('vllm', 'n/a')}, "
-        f"{str(data.get('started') or 'date not recorded')[:10]}{took}, code "
-        f"{code(revision) if revision else 'not recorded'}): "
-        f"{code(_short_command(data.get('command')))}; page: [{Path(page).name}]({page}). "
-        + (f"Ratios against {CONFIG_LABELS.get(baseline, baseline)}; " if baseline else "")
-        + "memory is NVML's used memory over the idle GPU, the median over the cycles."
-    )
-    header = ["", *[CONFIG_LABELS.get(n, n) for n in names]]
-    return [*table(header, rows), "", caption]
-
-
 def readme_block(readme: str, results_dir: Path, source: str | None, revision: str | None) -> str:
     """README with its results table rendered again from the run its marker names,
     or from `source` (a path from the repository root) with the marker moved to it."""
@@ -1027,6 +793,10 @@ def main(argv: list[str] | None = None) -> int:
         print(README)
         return 0
     outputs = render(args.results)
+    if UNDRAWN:
+        from vllm_graph_sleep.bench.plot import MATPLOTLIB_MISSING
+
+        print(f"{', '.join(sorted(set(UNDRAWN)))} not drawn: {MATPLOTLIB_MISSING}", file=sys.stderr)
     out = args.out or args.results
     if args.check:
         names = stale(outputs, out)

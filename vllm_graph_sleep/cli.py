@@ -72,7 +72,7 @@ def _fraction(text: str) -> float:
 
 
 def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from vllm_graph_sleep.models import ALL_KINDS
+    from vllm_graph_sleep.testing.models import ALL_KINDS
 
     parser.add_argument(
         "--model",

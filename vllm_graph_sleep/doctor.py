@@ -483,17 +483,15 @@ def _aiter_state() -> tuple[str, bool | None]:
     enable_register_for_capturing; None when AITER is not installed)."""
     if not _aiter_installed():
         return "not installed", None
-    from vllm_graph_sleep.patches import (
-        distributed_device_communicators_aiter_custom_all_reduce as p,
-    )
+    from vllm_graph_sleep import aiter_all_reduce as aiter
 
     try:
-        p._require_keyword(p._aiter_class())
-    except p.IncompatibleAiterError:
-        return p.aiter_version(), False
+        aiter.require_keyword(aiter.aiter_class())
+    except aiter.IncompatibleAiterError:
+        return aiter.aiter_version(), False
     except Exception as error:  # an AITER that does not even import here
-        return f"{p.aiter_version()} (import failed: {error})", None
-    return p.aiter_version(), True
+        return f"{aiter.aiter_version()} (import failed: {error})", None
+    return aiter.aiter_version(), True
 
 
 def all_reduce_mode(
@@ -558,7 +556,7 @@ def versions() -> str:
     import torch
     import vllm
 
-    from vllm_graph_sleep.patches._wrap import VERIFIED_VLLM
+    from vllm_graph_sleep.vllm_version import VERIFIED_VLLM
 
     try:
         ours = importlib.metadata.version("vllm-graph-sleep")

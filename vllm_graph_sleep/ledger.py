@@ -18,10 +18,10 @@ import torch
 
 from vllm_graph_sleep import device_query
 from vllm_graph_sleep.ledger_fields import balance
-from vllm_graph_sleep.patches._wrap import vllm_version
 from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE, vllm_has_module
+from vllm_graph_sleep.units import MiB
+from vllm_graph_sleep.vllm_version import vllm_version
 
-MiB = 2**20
 NCCL_DEFAULT_BUFFSIZE = 4 * MiB  # NCCL's documented NCCL_BUFFSIZE default
 # NCCL chooses its channel count from the topology and does not report it; the
 # estimate assumes its usual ceiling unless NCCL_MAX_NCHANNELS says otherwise.

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from vllm_graph_sleep import config
+from vllm_graph_sleep.all_reduce_counts import captured_all_reduces
 from vllm_graph_sleep.allocator import GraphSleepAllocator
+from vllm_graph_sleep.earlier_pools import ORDINARY_POOL, pools_of_earlier_engines
 from vllm_graph_sleep.ledger import ledger
 
 
@@ -55,9 +57,9 @@ def memory_report(worker: Any) -> dict[str, Any]:
         "custom_all_reduce_captures": custom_all_reduce_captures(),
         "cudagraphs_captured": cudagraphs_captured(),
         "foreign_pool_bytes": foreign_pool_bytes(
-            segments, sleep_allocator_addresses(), _pools_of_earlier_engines
+            segments, sleep_allocator_addresses(), pools_of_earlier_engines()
         ),
-        "earlier_engines_pool_bytes": pool_bytes(segments, _pools_of_earlier_engines),
+        "earlier_engines_pool_bytes": pool_bytes(segments, pools_of_earlier_engines()),
         "ledger": ledger(torch.cuda.current_device(), segments),
         "pinned_host": pinned_host(),
     }
@@ -98,29 +100,6 @@ def sleep_allocator_addresses() -> set[int]:
     if CuMemAllocator.instance is not None:
         addresses |= CuMemAllocator.instance.pointer_to_data.keys()
     return addresses
-
-
-#: Pool id of torch's ordinary (non-private) caching allocator segments.
-ORDINARY_POOL = (0, 0)
-#: Private pools that held memory when this process's current engine started
-#: its worker: an earlier in-process engine's graph pools (vLLM 0.26 keeps some
-#: of its graphs referenced after shutdown). Pool ids are never reused, so none
-#: of these can hold a graph of the current engine.
-_pools_of_earlier_engines: frozenset[tuple[int, int]] = frozenset()
-
-
-def remember_pools_of_earlier_engines() -> None:
-    """Called as a worker starts. A process whose CUDA is not up yet (a fresh
-    worker process) has no earlier engine, and must not start CUDA here."""
-    global _pools_of_earlier_engines
-    if not torch.cuda.is_initialized():
-        _pools_of_earlier_engines = frozenset()
-        return
-    _pools_of_earlier_engines = frozenset(
-        tuple(segment["segment_pool_id"])
-        for segment in torch.cuda.memory_snapshot()
-        if tuple(segment["segment_pool_id"]) != ORDINARY_POOL
-    )
 
 
 def pool_bytes(segments: list[dict[str, Any]], pools: frozenset[tuple[int, int]]) -> int:
@@ -177,10 +156,6 @@ def custom_all_reduce_captures() -> dict[str, int] | None:
     """How many captured all-reduces of vLLM's custom all-reduce took the copy-in
     path and how many read a registered (IPC-exported) input; None without one.
     Counted only while graph offload is active."""
-    from vllm_graph_sleep.patches.distributed_device_communicators_custom_all_reduce import (
-        captured_all_reduces,
-    )
-
     custom = _tp_custom_all_reduce()
     return None if custom is None else captured_all_reduces(custom)
 

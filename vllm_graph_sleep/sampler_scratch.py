@@ -6,12 +6,12 @@ SM of float32 logits, 132 x 128256 x 4 bytes = 65 MiB for a Llama-3 vocabulary
 on an H200, made eagerly at the first sampling (vLLM's kernel warm-up). It is
 made with torch.empty whenever it grows, so no call depends on what an earlier
 one left there; no graph uses it (vLLM 0.26 samples outside its graphs). Left
-alone it stays resident through every sleep, in stock vLLM too; on the H200 the
-1 MiB scratch of our small-vocabulary test model kept a 20 MiB segment of the
-default stream from going back (torch's memory history, run 8). vLLM's own
-reset_buffer_cache() drops it with the lookup tables; the first sampling after
-the wake makes both again, outside our pools: that memory must still be free
-then, as for torch's other cached blocks.
+alone it stays resident through every sleep, in stock vLLM too, and can keep a
+whole segment of the default stream from going back (the ledger's row for it:
+docs/results/bench-default.md). vLLM's own reset_buffer_cache() drops it with
+the lookup tables; the first sampling after the wake makes both again, outside
+our pools: that memory must still be free then, as for torch's other cached
+blocks.
 
 Verified against vLLM 0.26.0. Later vLLMs capture sampling into CUDA graphs of
 model runner V2 (vllm.v1.worker.gpu.sample.cudagraph), which would use the
@@ -25,7 +25,7 @@ import importlib.util
 import logging
 import sys
 
-from vllm_graph_sleep.patches._wrap import vllm_version
+from vllm_graph_sleep.vllm_version import vllm_version
 
 logger = logging.getLogger("vllm.graph_sleep")
 

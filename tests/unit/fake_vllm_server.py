@@ -40,7 +40,8 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-MiB = 2**20
+from vllm_graph_sleep.units import MiB
+
 TOTAL = 140 * 1024 * MiB  # the fake GPU's memory
 IDLE = 500 * MiB  # what the fake NVML reports with no server (tests read the same)
 CONTEXT = 400 * MiB

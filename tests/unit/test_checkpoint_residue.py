@@ -35,12 +35,12 @@ from vllm_graph_sleep.cuda_checkpoint import (
     RestoreArgs,
     UnlockArgs,
 )
+from vllm_graph_sleep.units import MiB
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 FAKE_SERVER = HERE / "fake_vllm_server.py"
 FAKE_HOLDER = HERE / "fake_context_holder.py"
-MiB = 2**20
 HOLDER_BYTES = 300 * MiB
 NVML_PID_OFFSET = 100000  # a driver whose pid namespace is not ours
 

@@ -49,12 +49,12 @@ from vllm_graph_sleep.bench.plot import write_plot
 from vllm_graph_sleep.bench.server import PROBE_EXTENSION, ServerError, serve_command, server_env
 from vllm_graph_sleep.bench.settings import ALL_CONFIGS, BenchSettings
 from vllm_graph_sleep.request_gate import ASLEEP_WAIT_ENV, MAX_HELD_ENV
+from vllm_graph_sleep.units import MiB
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
 FIXTURE = DATA / "bench-results-fixture.json"
 FAKE_SERVER = Path(__file__).parent / "fake_vllm_server.py"
-MiB = 2**20
 
 
 def bench_settings(argv: list[str]) -> BenchSettings:
@@ -151,7 +151,7 @@ def test_bench_model_dir_must_be_a_model(tmp_path):
 
 
 def test_the_bench_makes_its_model_in_a_child_process(tmp_path, monkeypatch):
-    from vllm_graph_sleep import models
+    from vllm_graph_sleep.testing import models
 
     # In this process it would keep the GPU busy (a large kind is drawn there).
     monkeypatch.setattr(models, "make_model", lambda *a, **k: pytest.fail("made in the bench"))

@@ -14,7 +14,8 @@ from vllm.distributed.device_communicators import custom_all_reduce as vllm_ca
 from vllm.distributed.device_communicators.aiter_custom_all_reduce import AiterCustomAllreduce
 
 from tests.unit import fake_aiter
-from vllm_graph_sleep import config
+from vllm_graph_sleep import aiter_all_reduce, config
+from vllm_graph_sleep.all_reduce_counts import captured_all_reduces
 from vllm_graph_sleep.patches import (
     distributed_device_communicators_aiter_custom_all_reduce as aiter_patch,
 )
@@ -98,7 +99,7 @@ def test_vllm_capture_stages_through_the_ipc_buffer_when_active(gate, stream, vl
         assert vllm_comm.launches == [(HANDLE, STAGING[1], vllm_comm.max_size)]
         assert out.shape == x.shape and out.dtype == x.dtype
         vllm_comm.custom_all_reduce(x)
-    assert ca_patch.captured_all_reduces(vllm_comm) == {"copy_in": 2, "registered": 0}
+    assert captured_all_reduces(vllm_comm) == {"copy_in": 2, "registered": 0}
 
 
 @ACTIVE
@@ -110,7 +111,7 @@ def test_vllm_captured_all_reduces_are_counted_only_when_active(gate, stream, vl
         vllm_comm.all_reduce(hidden(), registered=True)  # what stock capture does
         vllm_comm.all_reduce(hidden())
     expected = {"copy_in": 1, "registered": 1} if active else {"copy_in": 0, "registered": 0}
-    assert ca_patch.captured_all_reduces(vllm_comm) == expected
+    assert captured_all_reduces(vllm_comm) == expected
 
 
 def test_vllm_counting_stays_out_of_eager_all_reduces(gate, stream, vllm_comm):
@@ -123,7 +124,7 @@ def test_vllm_counting_stays_out_of_eager_all_reduces(gate, stream, vllm_comm):
     assert "all_reduce" not in vars(vllm_comm)
     stream.capturing = True  # even a capture outside capture() is not counted
     vllm_comm.all_reduce(hidden())
-    assert ca_patch.captured_all_reduces(vllm_comm) == {"copy_in": 0, "registered": 0}
+    assert captured_all_reduces(vllm_comm) == {"copy_in": 0, "registered": 0}
 
 
 def test_vllm_capture_registers_the_input_when_inactive(gate, stream, vllm_comm):
@@ -209,7 +210,10 @@ def test_aiter_is_built_without_capture_registration_when_active(gate, aiter):
     gate(True)
     comm = AiterCustomAllreduce(group="tp", device="cuda:0")
     assert aiter.CustomAllreduce.constructions == [
-        (("tp", "cuda:0"), {"max_size": AiterCustomAllreduce.MAX_SIZE, aiter_patch.KEYWORD: False})
+        (
+            ("tp", "cuda:0"),
+            {"max_size": AiterCustomAllreduce.MAX_SIZE, aiter_all_reduce.KEYWORD: False},
+        )
     ]
     assert comm.aiter_ca.enable_register_for_capturing is False
     assert comm.aiter_ca.max_size == AiterCustomAllreduce.MAX_SIZE
@@ -230,12 +234,12 @@ def test_aiter_is_built_exactly_as_stock_when_inactive(gate, monkeypatch, old):
         (("tp", "cuda:0"), {"max_size": AiterCustomAllreduce.MAX_SIZE})
     ]
     # No launcher is shadowed on the instance: every call reaches AITER's own.
-    assert not set(aiter_patch.LAUNCHERS) & set(vars(comm.aiter_ca))
+    assert not set(aiter_all_reduce.LAUNCHERS) & set(vars(comm.aiter_ca))
 
 
 def test_old_aiter_is_refused_with_the_fix_when_active(gate, old_aiter):
     gate(True)
-    with pytest.raises(aiter_patch.IncompatibleAiterError) as error:
+    with pytest.raises(aiter_all_reduce.IncompatibleAiterError) as error:
         AiterCustomAllreduce(group="tp", device="cuda:0")
     message = str(error.value)
     for expected in (
@@ -255,7 +259,9 @@ def test_aiter_launcher_without_registered_is_refused_when_active(gate, aiter, m
         aiter.CustomAllreduce, "fused_qknorm_ar", lambda self, qkv_in, q_w, k_w, eps: None
     )
     gate(True)
-    with pytest.raises(aiter_patch.IncompatibleAiterError, match="fused_qknorm_ar.*registered"):
+    with pytest.raises(
+        aiter_all_reduce.IncompatibleAiterError, match="fused_qknorm_ar.*registered"
+    ):
         AiterCustomAllreduce(group="tp", device="cuda:0")
 
 

@@ -534,23 +534,25 @@ def test_probe_counts_private_pool_segments_no_sleep_allocator_made():
 
 
 def test_probe_remembers_pools_only_where_cuda_is_already_up(monkeypatch):
-    from vllm_graph_sleep import probe
+    from vllm_graph_sleep import earlier_pools, probe
 
     segments = [
         {"segment_pool_id": (0, 0), "address": 0x1000, "total_size": 1 << 20},
         {"segment_pool_id": (0, 7), "address": 0x4000, "total_size": 8 << 20},
     ]
-    monkeypatch.setattr(probe.torch.cuda, "memory_snapshot", lambda: segments)
-    monkeypatch.setattr(probe, "_pools_of_earlier_engines", frozenset())
-    monkeypatch.setattr(probe.torch.cuda, "is_initialized", lambda: True)
-    probe.remember_pools_of_earlier_engines()
-    assert probe._pools_of_earlier_engines == {(0, 7)}
-    assert probe.pool_bytes(segments, probe._pools_of_earlier_engines) == 8 << 20
+    monkeypatch.setattr(earlier_pools.torch.cuda, "memory_snapshot", lambda: segments)
+    monkeypatch.setattr(earlier_pools, "_pools_of_earlier_engines", frozenset())
+    monkeypatch.setattr(earlier_pools.torch.cuda, "is_initialized", lambda: True)
+    earlier_pools.remember_pools_of_earlier_engines()
+    assert earlier_pools.pools_of_earlier_engines() == {(0, 7)}
+    assert probe.pool_bytes(segments, earlier_pools.pools_of_earlier_engines()) == 8 << 20
     # A fresh worker process: nothing earlier, and CUDA is not started here.
-    monkeypatch.setattr(probe.torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(probe.torch.cuda, "memory_snapshot", lambda: pytest.fail("CUDA started"))
-    probe.remember_pools_of_earlier_engines()
-    assert probe._pools_of_earlier_engines == frozenset()
+    monkeypatch.setattr(earlier_pools.torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        earlier_pools.torch.cuda, "memory_snapshot", lambda: pytest.fail("CUDA started")
+    )
+    earlier_pools.remember_pools_of_earlier_engines()
+    assert earlier_pools.pools_of_earlier_engines() == frozenset()
 
 
 def test_probe_adds_registered_host_buffers_to_torchs_pinned_host_allocator(monkeypatch):

@@ -1,11 +1,10 @@
 """The FULL-mode prompts keep every prefill out of FULL graphs (see
-vllm_graph_sleep/testing.FULL_MODE_PROMPTS): checked with the tokenizer the test
+vllm_graph_sleep.testing.FULL_MODE_PROMPTS): checked with the tokenizer the test
 models are made with."""
 
 from __future__ import annotations
 
 from vllm_graph_sleep import testing
-from vllm_graph_sleep.models import MAX_POSITION_EMBEDDINGS
 from vllm_graph_sleep.testing import (
     DEFAULT_LARGEST_CAPTURE_SIZE,
     FULL_MODE_LONG_PROMPTS,
@@ -14,12 +13,13 @@ from vllm_graph_sleep.testing import (
     PROMPTS,
     prompts_for,
 )
+from vllm_graph_sleep.testing.models import MAX_POSITION_EMBEDDINGS
 
 KV_BLOCK_SIZE = 16  # vLLM's default block size for the FlashAttention backend
 
 
 def test_full_mode_prompts_prefill_longer_than_any_graph_and_shorter_than_a_block():
-    from vllm_graph_sleep.models import _train_tokenizer
+    from vllm_graph_sleep.testing.models import _train_tokenizer
 
     tokenizer = _train_tokenizer()
     lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in FULL_MODE_PROMPTS]
@@ -27,7 +27,7 @@ def test_full_mode_prompts_prefill_longer_than_any_graph_and_shorter_than_a_bloc
 
 
 def test_with_vllm_defaults_full_mode_prompts_prefill_longer_than_any_default_graph():
-    from vllm_graph_sleep.models import _train_tokenizer
+    from vllm_graph_sleep.testing.models import _train_tokenizer
 
     tokenizer = _train_tokenizer()
     lengths = [len(tokenizer(prompt)["input_ids"]) for prompt in FULL_MODE_LONG_PROMPTS]

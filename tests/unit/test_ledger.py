@@ -23,8 +23,8 @@ from vllm_graph_sleep import ledger as ledger_module
 from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.bench import ledger_table, report
 from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE
+from vllm_graph_sleep.units import MiB
 
-MiB = 2**20
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parent / "data" / "bench-results-fixture.json"
 THREADS = 132 * 2048  # an H200's resident threads

@@ -20,12 +20,12 @@ import pytest
 from benchmarks import serve_soak, wake_pressure
 from tests.unit.fake_vllm_server import IDLE, SIZES, TOTAL
 from vllm_graph_sleep.bench import gpu, live
+from vllm_graph_sleep.units import MiB
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 FAKE_SERVER = HERE / "fake_vllm_server.py"
 FAKE_HOG = HERE / "fake_gpu_hog.py"
-MiB = 2**20
 MARGIN = 64 * MiB
 
 

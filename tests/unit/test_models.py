@@ -1,4 +1,4 @@
-"""Locally made random-weight models (vllm_graph_sleep.models), checked on the CPU.
+"""Locally made random-weight models (vllm_graph_sleep.testing.models), checked on the CPU.
 
 Besides transformers' own loading, ``test_vllm_loads_every_weight`` runs vLLM 0.26.0's real
 model class and ``load_weights`` for each kind in a child process, on the CPU: it forces a
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_graph_sleep import models
-from vllm_graph_sleep.models import (
+from vllm_graph_sleep.testing import models
+from vllm_graph_sleep.testing.models import (
     ARCHITECTURES,
     IMAGE_TOKEN,
     KINDS,

@@ -1,6 +1,7 @@
 """The patch list and the patch files agree, every patch follows the rules, and
 each process applies only the patches of the vLLM modules it imports."""
 
+import ast
 import importlib
 import inspect
 import json
@@ -36,6 +37,52 @@ def test_patch_module_has_header_and_apply(name):
     assert patched.removeprefix("vllm.").replace(".", "_") == name
     assert importlib.util.find_spec(patched) is not None, f"{patched} is not a vLLM module"
     assert callable(module.apply) and not inspect.signature(module.apply).parameters
+
+
+def _patch_modules_imported_by(path: Path) -> set[str]:
+    """The patch modules (entries of PATCHES) that `path` imports by name."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        imported.update(
+            name.removeprefix("vllm_graph_sleep.patches.")
+            for name in names
+            if name.removeprefix("vllm_graph_sleep.patches.") in patches.PATCHES
+        )
+    return imported
+
+
+def test_nothing_imports_a_patch_module_but_the_patch_index():
+    # Patches wire, feature modules implement: removing a patch must never break
+    # another module. Another module that needs a patch applied asks the index.
+    index = PATCH_DIR / "__init__.py"
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported)
+        for path in sorted((ROOT / "vllm_graph_sleep").rglob("*.py"))
+        if path != index and (imported := _patch_modules_imported_by(path))
+    }
+    assert offenders == {}
+
+
+def test_the_committed_patch_reference_is_what_the_headers_render():
+    spec = importlib.util.spec_from_file_location(
+        "patch_reference", ROOT / "tools" / "patch_reference.py"
+    )
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    page = reference.render()
+    for name, module in patches.PATCHES.items():
+        header = importlib.import_module(f"vllm_graph_sleep.patches.{name}").__doc__
+        assert f"## {name}\n" in page and f"`{module}`" in page
+        assert inspect.cleandoc(header) in page
+    assert (ROOT / "docs" / "patches.md").read_text() == page, (
+        "docs/patches.md is stale: run python tools/patch_reference.py"
+    )
 
 
 def test_apply_is_idempotent():

@@ -1,7 +1,7 @@
 """tools/render_results.py: renders docs/results/ into a folder, deterministically;
 the committed index.md, tables.md and charts, and README.md's results table, are
 what it renders; every current page says what ran, with which code and command
-(CPU, stdlib only)."""
+(CPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_graph_sleep.bench import report
+from vllm_graph_sleep.bench import markdown, report
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -46,7 +46,7 @@ def test_renders_the_key_figures_into_a_folder(tmp_path):
         assert f"| {entry['ratio_sleep_vs_d2h']:.2f} |" in row
 
     memory = _load("sleep-memory-h200.json")
-    assert render_results.command_text(memory["command"]) in index
+    assert markdown.command_text(memory["command"]) in index
     for config, over in memory["summary"].items():
         # The first row of each configuration is in the memory table.
         row = next(line for line in index.splitlines() if line.startswith(f"| `{config}` | "))

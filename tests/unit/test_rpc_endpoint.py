@@ -10,6 +10,7 @@ from vllm.entrypoints.serve.dev.rpc import api_router
 
 from vllm_graph_sleep.patches import entrypoints_serve_dev_rpc_api_router as patch
 from vllm_graph_sleep.patches._wrap import original_of
+from vllm_graph_sleep.rpc_request_validation import RpcRequestValidation
 
 
 class RecordingEngine:
@@ -111,7 +112,7 @@ def test_apply_and_attach_are_idempotent():
     app = FastAPI()
     api_router.attach_router(app)
     api_router.attach_router(app)
-    assert sum(m.cls is patch.RpcRequestValidation for m in app.user_middleware) == 1
+    assert sum(m.cls is RpcRequestValidation for m in app.user_middleware) == 1
 
 
 def test_malformed_bodies_are_4xx_in_vllms_real_app():

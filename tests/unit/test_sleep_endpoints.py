@@ -21,6 +21,7 @@ from vllm_graph_sleep import request_gate
 from vllm_graph_sleep.bench.client import greedy_completion_body
 from vllm_graph_sleep.patches import entrypoints_serve_dev_sleep_api_router as patch
 from vllm_graph_sleep.patches._wrap import original_of
+from vllm_graph_sleep.units import MiB
 
 force_cpu_platform()  # vLLM's app below builds a config (a no-op on a GPU machine)
 
@@ -230,7 +231,6 @@ def test_apply_and_attach_are_idempotent(engine):
 # the tokenizer.
 
 MAX_MODEL_LEN = 512
-MiB = 2**20
 
 
 class FakeCore:
@@ -346,7 +346,7 @@ class FakeCore:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> Path:
-    from vllm_graph_sleep.models import make_model
+    from vllm_graph_sleep.testing.models import make_model
 
     return make_model("llama", tmp_path_factory.mktemp("model") / "llama")
 

@@ -9,6 +9,7 @@ Where a run used several GPUs, GPU 0 is drawn (the table has every GPU).
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,52 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path
+
+
+#: Bar colours of grouped_bar_svg, one per series in order.
+SERIES_COLORS = ("#4c72b0", "#a1c9f4", "#dd8452", "#ffb482", "#55a868", "#8de5a1")
+
+
+def grouped_bar_svg(
+    title: str, unit: str, groups: list[str], series: list[tuple[str, list[float]]]
+) -> str:
+    """A grouped bar chart (one group per entry of `groups`, one bar per series,
+    values on top) as a self-contained SVG document: the results pages' charts
+    (tools/render_results.py). The same input gives the same bytes: no date, a
+    fixed id salt, text kept as text. PlotUnavailable without matplotlib."""
+    plt = pyplot()
+    import matplotlib
+
+    width = 0.8 / max(len(series), 1)
+    with matplotlib.rc_context({"svg.hashsalt": "vllm-graph-sleep", "svg.fonttype": "none"}):
+        fig, ax = plt.subplots(figsize=(7.5, 3.75))
+        for index, (label, values) in enumerate(series):
+            offset = (index - (len(series) - 1) / 2) * width
+            bars = ax.bar(
+                [position + offset for position in range(len(groups))],
+                [max(value, 0.0) for value in values],
+                width * 0.92,
+                color=SERIES_COLORS[index % len(SERIES_COLORS)],
+                label=label,
+            )
+            ax.bar_label(bars, labels=[_bar_label(value) for value in values], fontsize=7)
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel(unit)
+        ax.set_title(title, fontsize=11, fontweight="bold")
+        ax.legend(fontsize=8, loc="upper left", frameon=False, ncols=max(len(series), 1))
+        ax.margins(y=0.2)
+        ax.grid(True, axis="y", color="#dddddd")
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+        fig.tight_layout()
+        out = io.StringIO()
+        fig.savefig(out, format="svg", metadata={"Date": None})
+        plt.close(fig)
+    text = out.getvalue()
+    # The XML declaration and doctype are optional; the document starts at <svg.
+    return text[text.index("<svg ") :]
+
+
+def _bar_label(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 or value == 0 else f"{value:.1f}"

@@ -21,10 +21,10 @@ import time
 from typing import Any
 
 from vllm_graph_sleep.bench.gpu import MemorySource, settle, wait_released
+from vllm_graph_sleep.units import MiB
 
 HOLDING = "vllm-graph-sleep floor: holding"
 STACK = "vllm-graph-sleep floor: stack"  # then the device's limit before and after, in bytes
-MiB = 2**20
 WHAT = "a bare CUDA context with a cuBLAS handle, stack reservation released"
 
 

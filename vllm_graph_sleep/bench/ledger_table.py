@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_graph_sleep.ledger_fields import COUNTS, INFORMATIVE, SUMMED
+from vllm_graph_sleep.units import MiB
 
-MiB = 2**20
 #: What the process holds, what explains it, what is left, then what is shown beside.
 FIELDS = ("nvml_used", *SUMMED, "attributed", "unattributed", *INFORMATIVE)
 NOTE = (

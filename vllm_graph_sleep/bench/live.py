@@ -31,8 +31,8 @@ from vllm_graph_sleep.bench.server import (
     serve_command,
     server_env,
 )
+from vllm_graph_sleep.units import MiB
 
-MiB = 2**20
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: The `vllm serve` command line for a port (the benchmarks' real one, or a test's fake).

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_graph_sleep.bench.server import CONFIG_LABELS
+from vllm_graph_sleep.units import MiB
 
-MiB = 2**20
 COLORS = {
     "ours": "tab:green",
     "ours_coded": "tab:olive",

@@ -16,9 +16,9 @@ from typing import Any
 
 from vllm_graph_sleep.bench import ledger_table
 from vllm_graph_sleep.bench.server import CONFIG_LABELS
+from vllm_graph_sleep.units import MiB
 
 SCHEMA = "vllm-graph-sleep-bench/1"
-MiB = 2**20
 #: Ratios are taken against the first of these that ran.
 BASELINES = ("stock_graphs", "stock_eager")
 

@@ -75,7 +75,7 @@ def _made_model_dir(settings: BenchSettings) -> Path:
 
 def model_to_make(settings: BenchSettings) -> bool:
     """True when the run makes its model first (no --model, none cached yet)."""
-    from vllm_graph_sleep.models import is_complete
+    from vllm_graph_sleep.testing.models import is_complete
 
     return settings.model is None and not is_complete(
         _made_model_dir(settings), settings.model_kind
@@ -99,7 +99,7 @@ def _architecture(settings: BenchSettings) -> str | None:
     """The architecture the run's model has, known before a made model exists."""
     if settings.model is not None:
         return model_info.architecture_of(Path(settings.model).expanduser())
-    from vllm_graph_sleep.models import ARCHITECTURES
+    from vllm_graph_sleep.testing.models import ARCHITECTURES
 
     return ARCHITECTURES.get(settings.model_kind)
 
@@ -109,7 +109,7 @@ def _make_model_in_a_child(kind: str, target: Path) -> None:
     and the bench's own process must leave the GPU idle (no context, nothing
     cached) for the baselines it measures."""
     made = subprocess.run(
-        [sys.executable, "-m", "vllm_graph_sleep.models", kind, str(target)],
+        [sys.executable, "-m", "vllm_graph_sleep.testing.models", kind, str(target)],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,

@@ -27,9 +27,9 @@ from vllm_graph_sleep.bench.client import Client, Completion
 from vllm_graph_sleep.bench.gpu import MemorySampler, MemorySource, settle, wait_released
 from vllm_graph_sleep.bench.server import Server, ServerError
 from vllm_graph_sleep.bench.settings import DECODE_PROMPT, PROMPTS, BenchSettings
+from vllm_graph_sleep.units import MiB
 
 Progress = Callable[[str], None]
-MiB = 2**20
 
 
 def _mib(values: list[int]) -> str:

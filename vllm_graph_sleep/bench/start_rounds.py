@@ -19,8 +19,7 @@ from typing import Any
 from vllm_graph_sleep.bench.gpu import MemorySource, wait_released
 from vllm_graph_sleep.bench.server import Server, free_port, server_env
 from vllm_graph_sleep.bench.settings import BenchSettings
-
-MiB = 2**20
+from vllm_graph_sleep.units import MiB
 
 
 def rotated(names: Sequence[str], round_number: int) -> list[str]:

@@ -7,14 +7,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-VERIFIED_VLLM = "0.26.0"
+from vllm_graph_sleep.vllm_version import VERIFIED_VLLM, vllm_version
+
 _MARK = "__vllm_graph_sleep_original__"
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
 
 
 class IncompatibleVllmError(RuntimeError):

@@ -37,8 +37,8 @@ sleep releases.
 
 With graph offload active, and only inside capture(), the communicator's
 all_reduce is shadowed by one that counts the calls it sees while the stream is
-really capturing, by `registered` (captured_all_reduces() reads them; the worker
-probe reports them): evidence on a GPU that every captured all-reduce took the
+really capturing, by `registered` (vllm_graph_sleep.all_reduce_counts keeps them;
+the worker probe reports them): evidence on a GPU that every captured all-reduce took the
 copy-in path, and that there were some. Outside capture() all_reduce is vLLM's
 own, so eager all-reduces (every decode step without graphs) pay nothing for it.
 
@@ -56,6 +56,7 @@ import contextlib
 import torch
 
 from vllm_graph_sleep import config
+from vllm_graph_sleep.all_reduce_counts import counting
 from vllm_graph_sleep.patches._wrap import require, wrap_function
 
 WHERE = "vllm.distributed.device_communicators.custom_all_reduce.CustomAllreduce"
@@ -76,26 +77,6 @@ def _wrap_custom_all_reduce(original):
     return custom_all_reduce
 
 
-_CAPTURED = "_graph_sleep_captured_all_reduces"
-_NO_CAPTURES = {"copy_in": 0, "registered": 0}
-
-
-def captured_all_reduces(communicator) -> dict[str, int]:
-    """Captured all-reduces of this communicator while graph offload was active:
-    {"copy_in": n, "registered": m}."""
-    return dict(getattr(communicator, _CAPTURED, _NO_CAPTURES))
-
-
-def _counting(all_reduce):
-    def counted(inp: torch.Tensor, *, out=None, registered: bool = False):
-        if torch.cuda.is_current_stream_capturing():
-            counts = all_reduce.__self__.__dict__.setdefault(_CAPTURED, dict(_NO_CAPTURES))
-            counts["registered" if registered else "copy_in"] += 1
-        return all_reduce(inp, out=out, registered=registered)
-
-    return counted
-
-
 def _wrap_capture(original):
     @contextlib.contextmanager
     def capture(self):
@@ -104,7 +85,7 @@ def _wrap_capture(original):
                 yield
             return
         # An instance attribute shadows the class's all_reduce for this capture only.
-        self.all_reduce = _counting(self.all_reduce)
+        self.all_reduce = counting(self.all_reduce)
         try:
             with original(self):
                 yield

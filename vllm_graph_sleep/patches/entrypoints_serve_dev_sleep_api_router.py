@@ -25,8 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_graph_sleep import request_gate
-from vllm_graph_sleep.patches import v1_engine_async_llm
+from vllm_graph_sleep import patches, request_gate
 from vllm_graph_sleep.patches._wrap import (
     VERIFIED_VLLM,
     IncompatibleVllmError,
@@ -83,7 +82,7 @@ def apply() -> None:
     request_gate.asleep_wait_s()
     request_gate.max_held_requests()
     # AsleepGate holds requests at the point that patch adds.
-    v1_engine_async_llm.apply()
+    patches.apply("v1_engine_async_llm")
     require(api_router, "attach_router", where=WHERE, parameters=("app",))
     _require_post_routes(require(api_router, "router", where=WHERE))
     wrap_function(api_router, "attach_router", _wrap_attach_router, where=WHERE)

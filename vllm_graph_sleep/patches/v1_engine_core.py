@@ -35,48 +35,16 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_graph_sleep.patches._wrap import require, wrap_function
+from vllm_graph_sleep.utility_results import guard_enqueue
 
 WHERE = "vllm.v1.engine.core.EngineCoreProc"
-_GUARDED = "__vllm_graph_sleep_encodable__"
-
-
-def unencodable_reason(output: Any) -> str | None:
-    """Why the output thread could not encode this UtilityOutput's result, or None."""
-    from vllm.v1.serial_utils import MsgpackEncoder
-
-    if output.failure_message is not None or output.result is None:
-        return None
-    try:
-        MsgpackEncoder().encode(output.result)
-    except Exception as error:  # whatever the output thread would die of
-        return f"{type(error).__name__}: {error}"
-    return None
-
-
-def _guard_enqueue(name: str, enqueue_output: Callable[[Any], None]) -> Callable[[Any], None]:
-    if getattr(enqueue_output, _GUARDED, False):  # a deferred (Future) result re-enters
-        return enqueue_output
-
-    def enqueue(output: Any) -> None:
-        reason = unencodable_reason(output)
-        if reason is not None:
-            kind = type(output.result.result).__name__
-            output.result = None
-            output.failure_message = (
-                f"Call to {name} method failed: its result (a {kind}) cannot be sent "
-                f"back from the engine ({reason})"
-            )
-        enqueue_output(output)
-
-    setattr(enqueue, _GUARDED, True)
-    return enqueue
 
 
 def _wrap_invoke(original: Callable[..., Any]) -> Callable[..., Any]:
     def _invoke_utility_method(
         name: str, get_result: Callable, output: Any, enqueue_output: Callable
     ) -> None:
-        return original(name, get_result, output, _guard_enqueue(name, enqueue_output))
+        return original(name, get_result, output, guard_enqueue(name, enqueue_output))
 
     return _invoke_utility_method
 

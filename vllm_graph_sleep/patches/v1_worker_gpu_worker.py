@@ -53,7 +53,7 @@ except that init_device, on or off, first
   with the variable set in time. What cannot be marked (a vLLM whose break
   points differ from 0.26.0's) stops the worker, naming the op and the fix;
 - notes the private pools an earlier engine of this process left
-  (probe.remember_pools_of_earlier_engines), so the probe does not count them
+  (earlier_pools.remember_pools_of_earlier_engines), so the probe does not count them
   as graphs of this engine that escaped our pool.
 
 Remove when: the plugin moves to a vLLM with the feature (upstream PRs #59160
@@ -74,11 +74,11 @@ from vllm_graph_sleep.allocator import (
     GraphSleepAllocator,
     WakeUpError,
     check_switches,
-    format_bytes,
 )
 from vllm_graph_sleep.breakable_order import mark_break_points
+from vllm_graph_sleep.earlier_pools import remember_pools_of_earlier_engines
 from vllm_graph_sleep.patches._wrap import require, wrap_function
-from vllm_graph_sleep.probe import remember_pools_of_earlier_engines
+from vllm_graph_sleep.units import format_bytes
 
 logger = logging.getLogger("vllm.graph_sleep")
 WHERE = "vllm.v1.worker.gpu_worker"

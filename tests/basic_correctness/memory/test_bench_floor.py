@@ -6,10 +6,9 @@ from __future__ import annotations
 from tests.utils import cuda_only, requires_gpu
 from vllm_graph_sleep.bench import floor
 from vllm_graph_sleep.bench.gpu import NvmlMemory, wait_released
+from vllm_graph_sleep.units import MiB
 
 pytestmark = [requires_gpu, cuda_only]
-
-MiB = 2**20
 
 
 def test_the_floor_holds_a_context_without_its_stack_and_lets_it_go():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 
 from tests.utils import fresh_process, requires_gpu
-from vllm_graph_sleep.models import IMAGE_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
 from vllm_graph_sleep.testing import (
     CYCLES,
     mapped,
@@ -22,6 +21,7 @@ from vllm_graph_sleep.testing import (
     sleep_wake_cycles,
     start_engine,
 )
+from vllm_graph_sleep.testing.models import IMAGE_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
 
 pytestmark = requires_gpu
 

@@ -23,7 +23,8 @@ a directory holding a matching marker and all the files it lists (at their recor
 is returned as it is. Otherwise the model is built in a temporary sibling directory and
 renamed into place.
 
-CLI: ``python -m vllm_graph_sleep.models KIND OUT_DIR [--seed N] [--force]`` prints the path.
+CLI: ``python -m vllm_graph_sleep.testing.models KIND OUT_DIR [--seed N] [--force]``
+prints the path.
 """
 
 from __future__ import annotations
@@ -651,7 +652,7 @@ def make_model(kind: str, out_dir: str | Path, *, seed: int = 0, force: bool = F
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_graph_sleep.models",
+        prog="python -m vllm_graph_sleep.testing.models",
         description="Build a random-weight model directory that vLLM can load.",
     )
     parser.add_argument("kind", choices=ALL_KINDS)

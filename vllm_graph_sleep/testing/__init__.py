@@ -1,6 +1,8 @@
-"""Engine helpers shared by the GPU tests (tests/) and benchmarks/: local models,
-engines, probes, sleep/wake cycles. Part of the package so that both import it
-from here and neither imports the other."""
+"""Engine helpers shared by the GPU tests (tests/) and benchmarks/: local models
+(testing.models), engines, probes, sleep/wake cycles. Part of the package so that
+both import it from here and neither imports the other; off the serving path: only
+tests, benchmarks and `vllm-graph-sleep bench` (which makes its model with
+testing.models) import it (tests/unit/test_runtime_imports.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ MODES = {
 
 
 def model_dir(kind: str) -> str:
-    from vllm_graph_sleep.models import make_model
+    from vllm_graph_sleep.testing.models import make_model
 
     cache = Path(os.environ.get("VLLM_GRAPH_SLEEP_MODEL_CACHE", "~/.cache/vllm-graph-sleep"))
     return str(make_model(kind, cache.expanduser() / kind))
