@@ -50,3 +50,15 @@ def pytest_collection_modifyitems(config, items):
         needed = marker.kwargs.get("num_gpus", marker.args[0] if marker.args else 2)
         if visible < needed:
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPUs, {visible} visible"))
+
+
+@pytest.fixture
+def install_allocator():
+    """install_allocator(a) makes `a` (None: no allocator) the process's
+    GraphSleepAllocator until the test ends; later calls stack on earlier ones."""
+    import contextlib
+
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+
+    with contextlib.ExitStack() as stack:
+        yield lambda allocator: stack.enter_context(GraphSleepAllocator.installed(allocator))

@@ -513,11 +513,11 @@ def test_a_drop_that_fails_finishes_the_sleep_and_wake_restores_everything(setup
         assert bool((driver.read(addresses[tag]) == value).all()), tag
 
 
-def test_graph_memory_made_under_a_dropped_tag_is_backed_up_by_the_backend(monkeypatch):
+def test_graph_memory_made_under_a_dropped_tag_is_backed_up_by_the_backend(install_allocator):
     from vllm_graph_sleep.backend import GraphSleepBackend
 
     driver, manager = make()
-    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    install_allocator(manager)
     weights = allocate(driver, manager, "weights", value=1)
     with manager.cudagraph_pool() as pool:
         pass
