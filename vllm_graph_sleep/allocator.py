@@ -86,8 +86,6 @@ __all__ = [
     "GraphSleepAllocator",
     "SleepError",
     "WakeUpError",
-    "check_switches",
-    "env_switch",
     "format_bytes",
 ]
 
@@ -104,7 +102,7 @@ WHOLE_GRAPH_POOL_BACKUP_ENV = switches.WHOLE_GRAPH_POOL_BACKUP.name
 HOST_BUFFERS_ENV = switches.HOST_BUFFERS.name
 POISON_GRAPH_SCRATCH_ENV = switches.POISON_GRAPH_SCRATCH.name
 POISON_REMAPPED_ENV = switches.POISON_REMAPPED.name
-#: The yes/no switches the allocator reads; check_switches and doctor read them all.
+#: The yes/no switches the allocator reads (AllocatorSettings reads them all).
 SWITCH_ENVS = tuple(
     switch.name
     for switch in switches.SWITCHES
@@ -123,18 +121,6 @@ class SleepError(RuntimeError):
 # vLLM pauses the scheduler before it sleeps the workers and resumes it only on a
 # wake (EngineCore.sleep / wake_up), also after a sleep that failed.
 RESUME_HINT = "vLLM keeps scheduling paused until POST /wake_up (LLM.wake_up() offline)"
-
-
-def env_switch(name: str, environ: Mapping[str, str] | None = None) -> bool | None:
-    """A yes/no switch from the environment; None when unset or empty. Any
-    other value is refused, so a typo cannot silently pick the other side."""
-    return switches.BY_NAME[name].read(environ)
-
-
-def check_switches(environ: Mapping[str, str] | None = None) -> AllocatorSettings:
-    """Reads every switch the allocator reads: ValueError for the first value
-    it would refuse, before a worker sets anything up. Returns the settings."""
-    return AllocatorSettings.from_environ(environ)
 
 
 class GraphSleepAllocator:
