@@ -96,7 +96,7 @@ def request_count(name: str, raw: str | None) -> int:
 
 
 #: Who reads a switch: a worker with graph offload active, or the API server in dev mode.
-WORKER = "worker"
+WORKER = "worker with graph offload active"
 DEV_MODE_SERVER = "dev-mode API server"
 
 
