@@ -30,8 +30,8 @@ from vllm_graph_sleep.settings import HOST_BUFFERS, REGISTERED_HOST_BUFFERS, TOR
 logger = logging.getLogger("vllm.graph_sleep")
 
 _CUDA_DRIVER_LIBRARY = "libcuda.so.1"
-# Fewer, larger pages for cudaHostRegister to lock: 43 instead of 68 ms for
-# 240 MiB on an H200 (benchmarks/pinning.py). Linux only.
+# Fewer, larger pages for cudaHostRegister to lock, so pinning takes less time
+# (benchmarks/pinning.py measures it; docs/design.md, "Sleep", has the figures). Linux only.
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
@@ -396,9 +396,9 @@ class HostBuffers:
 
     "registered" (the default): anonymous memory, advised to use transparent
     huge pages, registered with cudaHostRegister. torch's pinned allocator
-    rounds each buffer up to a power of two and pins small pages: 384 instead
-    of 240 MiB and 130-150 instead of 43 ms for twelve 20 MiB buffers on an
-    H200 (benchmarks/pinning.py). "torch": torch's pinned allocator, which is
+    rounds each buffer up to a power of two and pins small pages, so it pins
+    more memory, more slowly (benchmarks/pinning.py; the figures are in
+    docs/design.md, "Sleep"). "torch": torch's pinned allocator, which is
     also what the first refused registration falls back to, for that buffer
     and every later one (one warning, no retries).
 
