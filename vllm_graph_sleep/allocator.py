@@ -170,7 +170,6 @@ class GraphSleepAllocator:
         given = AllocatorSettings.from_environ() if settings is None else settings
         given = dataclasses.replace(given, **{k: v for k, v in overrides.items() if v is not None})
         self._driver = driver
-        self.zero_on_wake = driver.is_rocm() if given.zero_on_wake is None else given.zero_on_wake
         self.release_host_memory = given.release_host_memory
         self._settler = None
         if given.settle_after_sleep:
@@ -183,8 +182,8 @@ class GraphSleepAllocator:
         self._stack = StackLimiter(driver, enabled=given.release_stack)
         if compress_backups is None:
             compress_backups = resolve_coding(given.compress_backups, driver)
-        fill = FillPolicy.resolve(
-            zero=self.zero_on_wake,
+        fill = FillPolicy(
+            zero=driver.is_rocm() if given.zero_on_wake is None else given.zero_on_wake,
             poison_graph_scratch=given.poison_graph_scratch,
             poison_remapped=given.poison_remapped,
         )
@@ -219,6 +218,18 @@ class GraphSleepAllocator:
     @property
     def compress_backups(self) -> bool:
         return self._backups.coded
+
+    @compress_backups.setter
+    def compress_backups(self, coded: bool) -> None:
+        self._backups.coded = coded
+
+    @property
+    def zero_on_wake(self) -> bool:
+        return self._backups.fill_policy.zero
+
+    @zero_on_wake.setter
+    def zero_on_wake(self, zero: bool) -> None:
+        self._backups.fill_policy = dataclasses.replace(self._backups.fill_policy, zero=zero)
 
     def get_current_usage(self) -> int:
         """Bytes of every allocation we own, awake or asleep (vLLM's meaning)."""

@@ -303,6 +303,21 @@ def test_zeroing_can_be_forced_on_cuda_and_turned_off_on_rocm(monkeypatch):
     assert manager.zero_on_wake is False
 
 
+def test_zero_on_wake_and_backup_coding_switched_on_a_running_allocator():
+    """The GPU tests switch zeroing and coding on the process's allocator."""
+    driver, manager = make(zero_on_wake=False, compress_backups=False)
+    kv = allocate(driver, manager, "kv_cache", value=2)
+    manager.sleep(offload_tags=())
+    manager.wake_up()
+    assert bool((driver.read(kv) == STALE_BYTE).all())
+    manager.zero_on_wake = True
+    manager.sleep(offload_tags=())
+    manager.wake_up()
+    assert manager.zero_on_wake is True and bool((driver.read(kv) == 0).all())
+    manager.compress_backups = True
+    assert manager.compress_backups is True
+
+
 @pytest.mark.parametrize(
     "call",
     [

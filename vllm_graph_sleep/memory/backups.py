@@ -27,35 +27,31 @@ POISON_BYTE = 0xFF
 
 @dataclasses.dataclass(frozen=True)
 class FillPolicy:
-    """The byte a wake writes into memory that comes back without a backup
-    (None: left as the driver hands it back), resolved once at start.
+    """What a wake writes into memory that comes back without a backup,
+    resolved once at start: zeroes (`zero`: zero-on-wake), or, under the test
+    switches, 0xFF bytes, so that a replay reading graph scratch it did not
+    write (`poison_graph_scratch`), or a weight reload that misses a tensor
+    (`poison_remapped`), gives wrong tokens instead of whatever the driver's
+    fresh pages held (often the old bytes)."""
 
-    `scratch`: the part of a graph-pool segment its backup left out;
-    `fresh`: an allocation mapped back with no backup at all; `fresh_kv_cache`:
-    the same for the KV cache, which vLLM never reads stale but whose masked
-    slots attention kernels may load (0xFF there would be NaN)."""
+    zero: bool = False
+    poison_graph_scratch: bool = False
+    poison_remapped: bool = False
 
-    scratch: int | None = None
-    fresh: int | None = None
-    fresh_kv_cache: int | None = None
-
-    @classmethod
-    def resolve(
-        cls, *, zero: bool, poison_graph_scratch: bool = False, poison_remapped: bool = False
-    ) -> FillPolicy:
-        """Zero-on-wake, and the test switches that poison instead so that a
-        replay reading memory it did not write, or a weight reload that misses
-        a tensor, gives wrong tokens (instead of whatever the driver's fresh
-        pages held, often the old bytes)."""
-        zero_byte = 0 if zero else None
-        return cls(
-            scratch=POISON_BYTE if poison_graph_scratch else zero_byte,
-            fresh=POISON_BYTE if poison_remapped else zero_byte,
-            fresh_kv_cache=zero_byte,
-        )
+    def for_scratch(self) -> int | None:
+        """The byte for the part of a graph-pool segment its backup left out (None: none)."""
+        return POISON_BYTE if self.poison_graph_scratch else self._zero_byte()
 
     def for_fresh(self, tag: str) -> int | None:
-        return self.fresh_kv_cache if tag == KV_CACHE_TAG else self.fresh
+        """The byte for an allocation mapped back with no backup at all. Never
+        poison for the KV cache: vLLM never reads its stale blocks, but
+        attention kernels may load masked slots, where 0xFF would be NaN."""
+        if self.poison_remapped and tag != KV_CACHE_TAG:
+            return POISON_BYTE
+        return self._zero_byte()
+
+    def _zero_byte(self) -> int | None:
+        return 0 if self.zero else None
 
 
 def _fill_with(data: torch.Tensor, byte: int) -> None:
@@ -230,8 +226,9 @@ class Backups:
             count += 1
             if allocation.has_backup:
                 partial = allocation.backup_bytes() < allocation.size
-                if partial and self.fill_policy.scratch is not None:
-                    _fill_with(self.device_bytes(allocation), self.fill_policy.scratch)
+                scratch = self.fill_policy.for_scratch()
+                if partial and scratch is not None:
+                    _fill_with(self.device_bytes(allocation), scratch)
                 if allocation.coded is not None:
                     restore.add(allocation.coded, self.pairs(allocation))
                 else:
