@@ -4,14 +4,15 @@ names one (the ROCm path on CUDA: see tests/rocm_shim/)."""
 
 import ctypes
 import importlib.util
-import os
 import sys
 
 import pytest
 import torch
 
+from vllm_graph_sleep.settings import TEST_EXTENSION
+
 #: Path of a built `_cumem*.so` to use instead of the installed one.
-EXTENSION_ENV = "GRAPH_SLEEP_TEST_EXTENSION"
+EXTENSION_ENV = TEST_EXTENSION.name
 
 
 def _load_chosen_extension(path: str) -> None:
@@ -29,7 +30,7 @@ def _load_chosen_extension(path: str) -> None:
 
 
 def pytest_configure(config):
-    path = os.environ.get(EXTENSION_ENV)
+    path = TEST_EXTENSION.read()
     if path:
         _load_chosen_extension(path)
 

@@ -209,6 +209,81 @@ SWITCHES: tuple[Switch, ...] = (
 )
 BY_NAME: dict[str, Switch] = {switch.name: switch for switch in SWITCHES}
 
+#: Who reads the test suite's switches: the tests and their engine helpers.
+TEST_SUITE = "test suite"
+
+
+def whole_number_or(default: str) -> Callable[[str, str | None], int]:
+    def parse(name: str, raw: str | None) -> int:
+        return int(default if raw is None else raw)
+
+    return parse
+
+
+def seconds_or(default: str) -> Callable[[str, str | None], float]:
+    def parse(name: str, raw: str | None) -> float:
+        return float(default if raw is None else raw)
+
+    return parse
+
+
+def one_is_yes(name: str, raw: str | None) -> bool:
+    return raw == "1"
+
+
+def text(name: str, raw: str | None) -> str | None:
+    return raw
+
+
+TEST_CYCLES = Switch(
+    "GRAPH_SLEEP_TEST_CYCLES",
+    "10",
+    whole_number_or("10"),
+    "sleep/wake cycles each engine test runs",
+    reader=TEST_SUITE,
+    test_only=True,
+)
+TEST_VLLM_DEFAULTS = Switch(
+    "GRAPH_SLEEP_TEST_VLLM_DEFAULTS",
+    "0",
+    one_is_yes,
+    "1: test engines keep vLLM's defaults (memory utilization, capture sizes, lengths)",
+    reader=TEST_SUITE,
+    test_only=True,
+)
+TEST_TIMEOUT = Switch(
+    "GRAPH_SLEEP_TEST_TIMEOUT",
+    "900",
+    seconds_or("900"),
+    "seconds a fresh-process test may run before it is stopped and reported",
+    reader=TEST_SUITE,
+    test_only=True,
+)
+TEST_LOG = Switch(
+    "GRAPH_SLEEP_TEST_LOG",
+    "unset: none",
+    text,
+    "a file every fresh-process test's whole output is appended to",
+    reader=TEST_SUITE,
+    test_only=True,
+)
+TEST_EXTENSION = Switch(
+    "GRAPH_SLEEP_TEST_EXTENSION",
+    "unset: the installed build",
+    text,
+    "path of a built _cumem*.so the tests load instead (the rocm-on-cuda build)",
+    reader=TEST_SUITE,
+    test_only=True,
+)
+#: The test suite's switches (no server reads them).
+TEST_SWITCHES: tuple[Switch, ...] = (
+    TEST_CYCLES,
+    TEST_VLLM_DEFAULTS,
+    TEST_TIMEOUT,
+    TEST_LOG,
+    TEST_EXTENSION,
+)
+
 #: Variables of ours that no server reads: the build's, and the tests'.
 NOT_READ_BY_SERVERS = (
     "VLLM_GRAPH_SLEEP_TARGET",
@@ -282,6 +357,17 @@ def environment_reference() -> str:
     for switch in SWITCHES:
         reader = switch.reader + (" (tests only)" if switch.test_only else "")
         lines.append(f"| `{switch.name}` | {switch.default} | {reader} | {switch.doc} |")
+    lines += [
+        "",
+        "## Switches of the test suite",
+        "",
+        "Read by the tests and their engine helpers, never by a server.",
+        "",
+        "| variable | default | effect |",
+        "|---|---|---|",
+    ]
+    for switch in TEST_SWITCHES:
+        lines.append(f"| `{switch.name}` | {switch.default} | {switch.doc} |")
     return "\n".join(lines) + "\n"
 
 

@@ -81,3 +81,28 @@ def test_the_yes_no_spellings():
         "VLLM_GRAPH_SLEEP_RELEASE_STACK='2' is not a yes/no value: yes is 1/true/yes/on, "
         "no is 0/false/no/off"
     )
+
+
+def test_the_test_suites_switches_read_as_before():
+    assert settings.TEST_CYCLES.read({}) == 10
+    assert settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": "3"}) == 3
+    with pytest.raises(ValueError):
+        settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": ""})
+    assert settings.TEST_VLLM_DEFAULTS.read({}) is False
+    assert settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": "1"}) is True
+    assert settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": "yes"}) is False
+    assert settings.TEST_TIMEOUT.read({}) == 900.0
+    assert settings.TEST_LOG.read({}) is None and settings.TEST_EXTENSION.read({}) is None
+
+
+def test_no_module_of_the_package_but_settings_names_a_test_suite_switch():
+    offenders = [
+        _module_name(path)
+        for path in sorted((ROOT / PACKAGE).rglob("*.py"))
+        if _module_name(path) != "settings" and "GRAPH_SLEEP_TEST_" in path.read_text()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value.startswith("GRAPH_SLEEP_TEST_")
+    ]
+    assert offenders == []
