@@ -75,7 +75,7 @@ def checksums(tags_kept: set[str] | None = None) -> dict[int, tuple[str, int]]:
     """Per mapped allocation of ours (tags other than kv_cache): tag and a checksum."""
     from vllm_graph_sleep.allocator import KV_CACHE_TAG, GraphSleepAllocator
 
-    allocator = GraphSleepAllocator._instance
+    allocator = GraphSleepAllocator.current()
     if allocator is None:
         return {}
     torch.cuda.synchronize()
@@ -83,7 +83,7 @@ def checksums(tags_kept: set[str] | None = None) -> dict[int, tuple[str, int]]:
     for address, allocation in allocator.allocations.items():
         if not allocation.mapped or allocation.tag == KV_CACHE_TAG:
             continue
-        data = allocator._device_bytes(allocation)
+        data = allocator.device_bytes(allocation)
         words = data.view(torch.int32) if allocation.size % 4 == 0 else data.to(torch.int32)
         weights = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
         sums[address] = (allocation.tag, int((words.to(torch.int64) * weights).sum().item()))
@@ -94,7 +94,7 @@ def changed(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]
     """Bytes per tag whose checksum differs (allocations present in both)."""
     from vllm_graph_sleep.allocator import GraphSleepAllocator
 
-    allocator = GraphSleepAllocator._instance
+    allocator = GraphSleepAllocator.current()
     diff: dict[str, dict[str, int]] = {}
     for address, (tag, value) in before.items():
         if address not in after:
@@ -174,7 +174,7 @@ def main() -> int:
     def staged(level: int, zero: bool = False) -> dict:
         from vllm_graph_sleep.allocator import GraphSleepAllocator
 
-        allocator = GraphSleepAllocator._instance
+        allocator = GraphSleepAllocator.current()
         if allocator is not None:
             allocator.zero_on_wake = zero
         before = checksums()

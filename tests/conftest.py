@@ -4,14 +4,15 @@ names one (the ROCm path on CUDA: see tests/rocm_shim/)."""
 
 import ctypes
 import importlib.util
-import os
 import sys
 
 import pytest
 import torch
 
+from vllm_graph_sleep.settings import TEST_EXTENSION
+
 #: Path of a built `_cumem*.so` to use instead of the installed one.
-EXTENSION_ENV = "GRAPH_SLEEP_TEST_EXTENSION"
+EXTENSION_ENV = TEST_EXTENSION.name
 
 
 def _load_chosen_extension(path: str) -> None:
@@ -29,7 +30,7 @@ def _load_chosen_extension(path: str) -> None:
 
 
 def pytest_configure(config):
-    path = os.environ.get(EXTENSION_ENV)
+    path = TEST_EXTENSION.read()
     if path:
         _load_chosen_extension(path)
 
@@ -50,3 +51,15 @@ def pytest_collection_modifyitems(config, items):
         needed = marker.kwargs.get("num_gpus", marker.args[0] if marker.args else 2)
         if visible < needed:
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPUs, {visible} visible"))
+
+
+@pytest.fixture
+def install_allocator():
+    """install_allocator(a) makes `a` (None: no allocator) the process's
+    GraphSleepAllocator until the test ends; later calls stack on earlier ones."""
+    import contextlib
+
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+
+    with contextlib.ExitStack() as stack:
+        yield lambda allocator: stack.enter_context(GraphSleepAllocator.installed(allocator))

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_graph_sleep.settings import TEST_LOG, TEST_TIMEOUT
+
 ROOT = Path(__file__).resolve().parent.parent
 _CHILD_ENV = "VLLM_GRAPH_SLEEP_TEST_CHILD"
 
@@ -22,9 +24,9 @@ cuda_only = pytest.mark.skipif(torch.version.hip is not None, reason="CUDA-only 
 
 
 #: Seconds a fresh-process test may run before it is stopped and reported.
-CHILD_TIMEOUT_S = float(os.environ.get("GRAPH_SLEEP_TEST_TIMEOUT", "900"))
+CHILD_TIMEOUT_S = TEST_TIMEOUT.read()
 #: If set, every child's whole output is appended to this file (GPU runs keep it).
-CHILD_LOG = os.environ.get("GRAPH_SLEEP_TEST_LOG")
+CHILD_LOG = TEST_LOG.read()
 
 
 def fresh_process(test):

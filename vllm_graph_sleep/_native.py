@@ -1,6 +1,7 @@
 """The device layer under the sleep-mode allocator: our VMM extension plus torch.
 
-`VmmDriver` is everything `allocator.GraphSleepAllocator` needs from the GPU:
+`VmmDriver` is everything `allocator.GraphSleepAllocator` needs from the GPU
+(the contract: `vllm_graph_sleep.memory.driver.DeviceDriver`):
 map/unmap through `vllm_graph_sleep._cumem`, byte views of device memory, pinned
 host buffers (`HostBuffers`), synchronisation and a MemPool on the pluggable
 allocator. CPU tests replace it with a faithful fake (tests/unit/fake_vmm.py).
@@ -24,15 +25,13 @@ from typing import Any
 
 import torch
 
-from vllm_graph_sleep.allocator import HOST_BUFFERS_ENV
+from vllm_graph_sleep.settings import HOST_BUFFERS, REGISTERED_HOST_BUFFERS, TORCH_HOST_BUFFERS
 
 logger = logging.getLogger("vllm.graph_sleep")
 
 _CUDA_DRIVER_LIBRARY = "libcuda.so.1"
-REGISTERED_HOST_BUFFERS = "registered"
-TORCH_HOST_BUFFERS = "torch"
-# Fewer, larger pages for cudaHostRegister to lock: 43 instead of 68 ms for
-# 240 MiB on an H200 (benchmarks/pinning.py). Linux only.
+# Fewer, larger pages for cudaHostRegister to lock, so pinning takes less time
+# (benchmarks/pinning.py measures it; docs/design.md, "Sleep", has the figures). Linux only.
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
@@ -64,10 +63,13 @@ class _DeviceRange:
 class VmmDriver:
     """GPU implementation of the device operations the manager relies on."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_buffers: str | None = None) -> None:
+        """`host_buffers`: how host buffers are pinned (settings.HOST_BUFFERS;
+        default: read from the environment now)."""
         self._ext = _load_extension()
         self._pluggable: torch.cuda.memory.CUDAPluggableAllocator | None = None
-        self._host_buffers = HostBuffers(host_buffer_kind(), _TorchRuntime)
+        kind = host_buffer_kind() if host_buffers is None else host_buffers
+        self._host_buffers = HostBuffers(kind, _TorchRuntime)
 
     def register_callbacks(
         self,
@@ -204,14 +206,7 @@ class VmmDriver:
 
 def host_buffer_kind(environ: Mapping[str, str] | None = None) -> str:
     """How host buffers are pinned, from VLLM_GRAPH_SLEEP_HOST_BUFFERS."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(HOST_BUFFERS_ENV, "").strip().lower() or REGISTERED_HOST_BUFFERS
-    if value not in (REGISTERED_HOST_BUFFERS, TORCH_HOST_BUFFERS):
-        raise ValueError(
-            f"{HOST_BUFFERS_ENV}={environ[HOST_BUFFERS_ENV]!r} is not a known value: use "
-            f"{REGISTERED_HOST_BUFFERS!r} (the default) or {TORCH_HOST_BUFFERS!r}"
-        )
-    return value
+    return HOST_BUFFERS.read(environ)
 
 
 class _RegisteredTotals:
@@ -401,9 +396,9 @@ class HostBuffers:
 
     "registered" (the default): anonymous memory, advised to use transparent
     huge pages, registered with cudaHostRegister. torch's pinned allocator
-    rounds each buffer up to a power of two and pins small pages: 384 instead
-    of 240 MiB and 130-150 instead of 43 ms for twelve 20 MiB buffers on an
-    H200 (benchmarks/pinning.py). "torch": torch's pinned allocator, which is
+    rounds each buffer up to a power of two and pins small pages, so it pins
+    more memory, more slowly (benchmarks/pinning.py; the figures are in
+    docs/design.md, "Sleep"). "torch": torch's pinned allocator, which is
     also what the first refused registration falls back to, for that buffer
     and every later one (one warning, no retries).
 
@@ -456,6 +451,6 @@ class HostBuffers:
             "graph-sleep: %s; host backups use torch's pinned allocator from now on "
             "(%s=%s skips registering)",
             reason,
-            HOST_BUFFERS_ENV,
+            HOST_BUFFERS.name,
             TORCH_HOST_BUFFERS,
         )

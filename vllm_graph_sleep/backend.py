@@ -35,8 +35,7 @@ class GraphSleepBackend(SleepModeBackend):
         # Claim first: graph memory made under another tag (a lazy capture) must
         # count as "cudagraph" when the tags to back up are chosen.
         self._allocator.claim_graph_pool()
-        tags = {allocation.tag for allocation in self._allocator.allocations.values()}
-        offload = offload_tags_for(level, tags)
+        offload = offload_tags_for(level, self._allocator.tags_in_use())
         # Before the allocator empties torch's cache: what it freed goes too.
         drop_sampler_scratch()
         self._allocator.sleep(offload_tags=offload)

@@ -13,6 +13,8 @@ from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
+from vllm_graph_sleep.settings import parse_yes_no
+
 logger = logging.getLogger("vllm.graph_sleep")
 
 FLAG = "sleep_mode_offload_cudagraph"
@@ -33,21 +35,6 @@ class Gate:
     active: bool
     requested: bool
     reason: str = ""  # why it is off although requested
-
-
-#: The spellings of yes and no that our settings accept (parse_yes_no); any other
-#: is refused (flag_value here, allocator.env_switch for the environment).
-YES_VALUES = ("1", "true", "yes", "on")
-NO_VALUES = ("0", "false", "no", "off")
-
-
-def parse_yes_no(text: str) -> bool | None:
-    """True or False for a yes or no spelling (any case, spaces around); None
-    for anything else, which the caller refuses."""
-    value = text.strip().lower()
-    if value in YES_VALUES or value in NO_VALUES:
-        return value in YES_VALUES
-    return None
 
 
 def flag_value(value: Any) -> bool:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -37,22 +36,20 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
+from vllm_graph_sleep import settings
 from vllm_graph_sleep.allocator import (
     DEFAULT_TAG,
     GRAPH_TAG,
-    HOST_BUFFERS_ENV,
     KV_CACHE_TAG,
     RUNTIME_TAG,
-    SWITCH_ENVS,
     WEIGHTS_TAG,
-    env_switch,
 )
 from vllm_graph_sleep.breakable_order import AUTO_BREAKABLE_ARCHITECTURES, BREAKABLE_ENV
 
 PLATFORM_CHOICES = ("detected", "cuda", "rocm")
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "graph_sleep"
-ENV_PREFIX = "VLLM_GRAPH_SLEEP_"
+ENV_PREFIX = settings.PREFIX
 TAG_NOTES = {
     WEIGHTS_TAG: "model weights",
     KV_CACHE_TAG: "KV cache",
@@ -608,12 +605,7 @@ def plugin_checks(active: bool, environ: MutableMapping[str, str], diag: Diagnos
     )
 
 
-#: Variables of ours that no server reads: the build's, and the tests'.
-NOT_READ_BY_SERVERS = (
-    "VLLM_GRAPH_SLEEP_TARGET",
-    "VLLM_GRAPH_SLEEP_MODEL_CACHE",
-    "VLLM_GRAPH_SLEEP_TEST_CHILD",
-)
+NOT_READ_BY_SERVERS = settings.NOT_READ_BY_SERVERS
 
 
 def environment_check(active: bool, environ: MutableMapping[str, str], diag: Diagnosis) -> str:
@@ -622,23 +614,14 @@ def environment_check(active: bool, environ: MutableMapping[str, str], diag: Dia
     problem where it stops this command line (the allocator's variables with
     graph offload active, the asleep wait in dev mode), a warning elsewhere; a
     name none of them reads (a misspelt one) is a warning."""
-    from vllm_graph_sleep._native import host_buffer_kind
-    from vllm_graph_sleep.request_gate import (
-        ASLEEP_WAIT_ENV,
-        MAX_HELD_ENV,
-        asleep_wait_s,
-        max_held_requests,
-    )
-
     dev_mode = bool(_vllm_env(environ, "VLLM_SERVER_DEV_MODE"))
-    offload = (active, "read only while graph offload is active")
-    readers: dict[str, tuple[Callable[[Mapping[str, str]], object], tuple[bool, str]]] = {
-        name: (functools.partial(env_switch, name), offload) for name in SWITCH_ENVS
+    read_where = {
+        settings.WORKER: (active, "read only while graph offload is active"),
+        settings.DEV_MODE_SERVER: (dev_mode, "read only in dev mode"),
     }
-    readers[HOST_BUFFERS_ENV] = (host_buffer_kind, offload)
-    in_dev_mode = (dev_mode, "read only in dev mode")
-    readers[ASLEEP_WAIT_ENV] = (asleep_wait_s, in_dev_mode)
-    readers[MAX_HELD_ENV] = (max_held_requests, in_dev_mode)
+    readers: dict[str, tuple[Callable[[Mapping[str, str]], object], tuple[bool, str]]] = {
+        switch.name: (switch.read, read_where[switch.reader]) for switch in settings.SWITCHES
+    }
     seen = []
     for name in sorted(n for n in environ if n.startswith(ENV_PREFIX)):
         if name in NOT_READ_BY_SERVERS:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vllm_graph_sleep import device_query
+from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.ledger_fields import balance
 from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE, vllm_has_module
 from vllm_graph_sleep.units import MiB
@@ -86,12 +87,8 @@ def _tp_size() -> int:
 
 
 def _our_mapped() -> int:
-    from vllm_graph_sleep.allocator import GraphSleepAllocator
-
-    allocator = GraphSleepAllocator._instance
-    if allocator is None:
-        return 0
-    return sum(a.size for a in allocator.allocations.values() if a.mapped)
+    allocator = GraphSleepAllocator.current()
+    return 0 if allocator is None else allocator.all_mapped_bytes()
 
 
 def _vllm_cumem_mapped() -> int:
@@ -103,9 +100,22 @@ def _vllm_cumem_mapped() -> int:
     return sum(d.handle[1] for d in data if not d.is_asleep)
 
 
-def _segments_outside_pools(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from vllm_graph_sleep.probe import sleep_allocator_addresses
+def sleep_allocator_addresses() -> set[int]:
+    """Addresses of every allocation of the sleep-mode allocators in this
+    worker: ours and, for stock sleep mode, vLLM's CuMemAllocator. Both hand
+    torch whole segments, so these are segment addresses."""
+    from vllm.device_allocator.cumem import CuMemAllocator
 
+    addresses = set()
+    allocator = GraphSleepAllocator.current()
+    if allocator is not None:
+        addresses |= allocator.allocated_addresses()
+    if CuMemAllocator.instance is not None:
+        addresses |= CuMemAllocator.instance.pointer_to_data.keys()
+    return addresses
+
+
+def _segments_outside_pools(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ours = sleep_allocator_addresses()
     return [segment for segment in segments if segment["address"] not in ours]
 
@@ -258,10 +268,12 @@ def _described(size: int, stream: str, what: str | None) -> dict[str, Any]:
     return {"size": size, "stream": stream} | ({} if what is None else {"what": what})
 
 
-def _graphs() -> int:
-    from vllm_graph_sleep.probe import cudagraphs_captured
+def cudagraphs_captured() -> int:
+    """Graphs this worker captured (vLLM counts FULL and PIECEWISE alike): what
+    per-graph residue multiplies with."""
+    from vllm.compilation.counter import compilation_counter
 
-    return cudagraphs_captured()
+    return compilation_counter.num_cudagraph_captured
 
 
 def _guarded(
@@ -374,7 +386,7 @@ def ledger(device: int, segments: list[dict[str, Any]]) -> dict[str, Any]:
         "torch_reserved_outside_pools": get(
             "torch_reserved_outside_pools", lambda: _torch_outside_pools(segments)
         ),
-        "instantiated_graphs": get("instantiated_graphs", _graphs),
+        "instantiated_graphs": get("instantiated_graphs", cudagraphs_captured),
         "cuda_modules": None,
         "torch_outside_pools_by_stream": get(
             "torch_outside_pools_by_stream", lambda: torch_outside_pools_by_stream(segments)

@@ -15,7 +15,7 @@ from vllm_graph_sleep import config
 from vllm_graph_sleep.all_reduce_counts import captured_all_reduces
 from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.earlier_pools import ORDINARY_POOL, pools_of_earlier_engines
-from vllm_graph_sleep.ledger import ledger
+from vllm_graph_sleep.ledger import cudagraphs_captured, ledger, sleep_allocator_addresses
 
 
 def pinned_host() -> dict[str, float] | None:
@@ -65,8 +65,8 @@ def memory_report(worker: Any) -> dict[str, Any]:
     }
     # The allocator that serves this engine: an earlier engine of this process
     # may have left ours behind with the flag off now.
-    if config.is_active() and GraphSleepAllocator._instance is not None:
-        allocator = GraphSleepAllocator._instance
+    allocator = GraphSleepAllocator.current()
+    if config.is_active() and allocator is not None:
         report["allocator"] = "vllm_graph_sleep"
         report["tags"] = allocator.usage_by_tag()
         report["host_bytes"] = allocator.host_bytes()
@@ -84,22 +84,8 @@ def memory_report(worker: Any) -> dict[str, Any]:
 
 
 def our_pool_ids() -> set[tuple[int, int]]:
-    allocator = GraphSleepAllocator._instance
+    allocator = GraphSleepAllocator.current()
     return set() if allocator is None else allocator.pool_ids()
-
-
-def sleep_allocator_addresses() -> set[int]:
-    """Addresses of every allocation of the sleep-mode allocators in this
-    worker: ours and, for stock sleep mode, vLLM's CuMemAllocator. Both hand
-    torch whole segments, so these are segment addresses."""
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    addresses = set()
-    if GraphSleepAllocator._instance is not None:
-        addresses |= GraphSleepAllocator._instance.allocations.keys()
-    if CuMemAllocator.instance is not None:
-        addresses |= CuMemAllocator.instance.pointer_to_data.keys()
-    return addresses
 
 
 def pool_bytes(segments: list[dict[str, Any]], pools: frozenset[tuple[int, int]]) -> int:
@@ -123,14 +109,6 @@ def foreign_pool_bytes(
         if tuple(segment["segment_pool_id"]) not in not_graphs
         and segment["address"] not in sleep_addresses
     )
-
-
-def cudagraphs_captured() -> int:
-    """Graphs this worker captured (vLLM counts FULL and PIECEWISE alike): what
-    per-graph residue multiplies with."""
-    from vllm.compilation.counter import compilation_counter
-
-    return compilation_counter.num_cudagraph_captured
 
 
 def _tp_custom_all_reduce() -> Any | None:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from collections.abc import Mapping
 from contextvars import ContextVar
@@ -60,8 +59,9 @@ from starlette.datastructures import QueryParams
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vllm_graph_sleep.config import parse_yes_no
+from vllm_graph_sleep import settings
 from vllm_graph_sleep.engine_watch import EngineWatch
+from vllm_graph_sleep.settings import parse_yes_no
 
 #: The hold of the HTTP request being served (set by AsleepGate for the tasks
 #: that serve one HTTP request): an object whose `async until_awake(engine)`
@@ -118,11 +118,9 @@ INFERENCE_PATHS = (
     "/rerank",
     "/generative_scoring",
 )
-ASLEEP_WAIT_ENV = "VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S"
-DEFAULT_ASLEEP_WAIT_S = 30.0
+ASLEEP_WAIT_ENV = settings.ASLEEP_WAIT_S.name
 #: Requests held at once while the engine sleeps; one more gets 503 at once.
-MAX_HELD_ENV = "VLLM_GRAPH_SLEEP_MAX_HELD_REQUESTS"
-DEFAULT_MAX_HELD = 1024
+MAX_HELD_ENV = settings.MAX_HELD_REQUESTS.name
 #: How often a request in flight checks whether the engine went to sleep
 #: (EngineWatch's last answers: no engine call of its own).
 POLL_S = 0.1
@@ -197,35 +195,11 @@ class SleepRequestValidation:
 
 
 def asleep_wait_s(environ: Mapping[str, str] | None = None) -> float:
-    raw = (os.environ if environ is None else environ).get(ASLEEP_WAIT_ENV, "")
-    if not raw:
-        return DEFAULT_ASLEEP_WAIT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise ValueError(
-            f"{ASLEEP_WAIT_ENV}={raw!r}: expected seconds >= 0 (0 refuses requests at once "
-            f"while the engine sleeps; unset: {DEFAULT_ASLEEP_WAIT_S:g})"
-        )
-    return value
+    return settings.ASLEEP_WAIT_S.read(environ)
 
 
 def max_held_requests(environ: Mapping[str, str] | None = None) -> int:
-    raw = (os.environ if environ is None else environ).get(MAX_HELD_ENV, "")
-    if not raw:
-        return DEFAULT_MAX_HELD
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"{MAX_HELD_ENV}={raw!r}: expected a whole number >= 0 of requests (0 holds none; "
-            f"unset: {DEFAULT_MAX_HELD})"
-        )
-    return value
+    return settings.MAX_HELD_REQUESTS.read(environ)
 
 
 def _drains(path: str, params: QueryParams) -> bool:
@@ -344,10 +318,13 @@ class AsleepGate:
     the wait bound has passed, or at once beyond the bound of held requests
     (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, gate_settings: settings.GateSettings | None = None) -> None:
+        """`gate_settings`: the switches as the server read them (default: read now)."""
         self.app = app
-        self.wait_s = asleep_wait_s()
-        self.max_held = max_held_requests()
+        if gate_settings is None:
+            gate_settings = settings.GateSettings.from_environ()
+        self.wait_s = gate_settings.asleep_wait_s
+        self.max_held = gate_settings.max_held_requests
         self.watch = EngineWatch()
         self.held = 0  # requests waiting in admit
         # Set when this server forwards a /sleep or /pause; cleared once the

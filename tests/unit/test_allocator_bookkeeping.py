@@ -303,6 +303,21 @@ def test_zeroing_can_be_forced_on_cuda_and_turned_off_on_rocm(monkeypatch):
     assert manager.zero_on_wake is False
 
 
+def test_zero_on_wake_and_backup_coding_switched_on_a_running_allocator():
+    """The GPU tests switch zeroing and coding on the process's allocator."""
+    driver, manager = make(zero_on_wake=False, compress_backups=False)
+    kv = allocate(driver, manager, "kv_cache", value=2)
+    manager.sleep(offload_tags=())
+    manager.wake_up()
+    assert bool((driver.read(kv) == STALE_BYTE).all())
+    manager.zero_on_wake = True
+    manager.sleep(offload_tags=())
+    manager.wake_up()
+    assert manager.zero_on_wake is True and bool((driver.read(kv) == 0).all())
+    manager.compress_backups = True
+    assert manager.compress_backups is True
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -513,11 +528,11 @@ def test_a_drop_that_fails_finishes_the_sleep_and_wake_restores_everything(setup
         assert bool((driver.read(addresses[tag]) == value).all()), tag
 
 
-def test_graph_memory_made_under_a_dropped_tag_is_backed_up_by_the_backend(monkeypatch):
+def test_graph_memory_made_under_a_dropped_tag_is_backed_up_by_the_backend(install_allocator):
     from vllm_graph_sleep.backend import GraphSleepBackend
 
     driver, manager = make()
-    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    install_allocator(manager)
     weights = allocate(driver, manager, "weights", value=1)
     with manager.cudagraph_pool() as pool:
         pass

@@ -153,7 +153,7 @@ def test_a_workspace_outside_our_pools_on_another_stream_keeps_them_all(caplog):
     driver, manager = make()
     driver.current_stream = CAPTURE_STREAM
     driver.create_blas_workspaces()  # made by an eager warm-up, outside every pool
-    with manager.cudagraph_pool() as pool, manager._routed_to(pool):
+    with manager.cudagraph_pool() as pool, manager.routed_to(pool):
         driver.malloc(PAGE)  # a graph captured on that stream uses it
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("cudagraph",))
@@ -165,7 +165,7 @@ def test_a_workspace_in_another_pool_of_ours_on_a_side_stream_keeps_them_all():
     """A drafter captured during load_model: its stream's workspace was made
     inside the weights pool, which frees its segments once they empty."""
     driver, manager = make()
-    with manager.use_memory_pool("weights") as weights, manager._routed_to(weights):
+    with manager.use_memory_pool("weights") as weights, manager.routed_to(weights):
         driver.current_stream = CAPTURE_STREAM
         driver.create_blas_workspaces()
     driver.current_stream = 0
@@ -256,7 +256,7 @@ def test_with_the_rng_state_left_to_full_graphs_on_torchs_stream_they_keep_them_
     with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
         capture_stream_workspaces(driver, manager)
     assert "RNG state was not put on the capture stream: CUDA error" in caplog.text
-    assert CAPTURE_STREAM in manager._trusted_streams  # the workspaces went on
+    assert CAPTURE_STREAM in manager.trusted_streams()  # the workspaces went on
     full_graphs_on_torchs_capture_stream(driver, manager)
     assert driver.generator_state[1] == TORCH_CAPTURE_STREAM
     manager.sleep(offload_tags=("cudagraph",))
@@ -320,7 +320,7 @@ def test_a_next_engine_trusts_none_of_the_streams_an_earlier_one_trusted():
     manager.wake_up()
     manager.release_pools()  # engine shutdown
     releases = driver.blas_releases
-    with manager.cudagraph_pool() as pool, manager._routed_to(pool):
+    with manager.cudagraph_pool() as pool, manager.routed_to(pool):
         driver.malloc(PAGE)  # a drafter's graph from load_model: no first-capture drop
     driver.workspaces[CAPTURE_STREAM] = {"blas": 0x1234000, "lt": 0x1234000 + BLAS_WORKSPACE}
     driver.current_stream = CAPTURE_STREAM

@@ -104,13 +104,13 @@ class FakeWorker:
 
 
 @pytest.fixture
-def fake_allocator(monkeypatch):
+def fake_allocator(install_allocator):
     from tests.unit.fake_vmm import FakeVmmDriver
     from vllm_graph_sleep.allocator import GraphSleepAllocator
 
     driver = FakeVmmDriver()
     manager = GraphSleepAllocator(driver)
-    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    install_allocator(manager)
     return driver, manager
 
 
@@ -259,14 +259,16 @@ class FakeKvInitWorker:
 
 
 @pytest.mark.parametrize("active", [True, False])
-def test_kv_init_state_is_runtime_and_only_kv_tensors_are_kv_cache(monkeypatch, active):
+def test_kv_init_state_is_runtime_and_only_kv_tensors_are_kv_cache(
+    monkeypatch, install_allocator, active
+):
     from tests.unit.fake_vmm import FakeVmmDriver
     from vllm_graph_sleep.allocator import GraphSleepAllocator
     from vllm_graph_sleep.patches._kv_tensors import in_kv_cache_pool
 
     driver = FakeVmmDriver()
     manager = GraphSleepAllocator(driver)
-    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    install_allocator(manager)
     monkeypatch.setattr(config, "_active_in_this_process", active)
     allocate_kv_tensors = in_kv_cache_pool(lambda driver: driver.malloc(4 * PAGE))
     worker = FakeKvInitWorker(manager, driver, allocate_kv_tensors)

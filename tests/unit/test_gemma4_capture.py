@@ -27,21 +27,21 @@ class RecordingProposer:
     def _setup_centroids_cuda_graphs(self):
         graph = torch.cuda.graph(None, stream=CPU_STREAM)
         named = torch.cuda.graph(None, pool=(9, 9), stream=CPU_STREAM)
-        manager = GraphSleepAllocator._instance
+        manager = GraphSleepAllocator.current()
         self.seen.append((graph.pool, named.pool, manager.current_tag, list(self.driver.routing)))
 
 
 @pytest.fixture
-def manager(monkeypatch):
+def manager(install_allocator):
     driver = FakeVmmDriver()
     manager = GraphSleepAllocator(driver)
-    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    install_allocator(manager)
     return manager
 
 
 def test_captures_go_to_the_graph_pool_and_this_thread_is_routed_there(monkeypatch, manager):
     monkeypatch.setattr(config, "_active_in_this_process", True)
-    proposer = RecordingProposer(manager._driver)
+    proposer = RecordingProposer(manager.driver)
     stock = torch.cuda.graph
     with manager.use_memory_pool("weights"):  # load_model's pool
         patch._wrap_setup(RecordingProposer._setup_centroids_cuda_graphs)(proposer)
@@ -55,7 +55,7 @@ def test_captures_go_to_the_graph_pool_and_this_thread_is_routed_there(monkeypat
 @pytest.mark.parametrize("profiling", [False, True])
 def test_stock_capture_when_inactive_or_profiling(monkeypatch, manager, profiling):
     monkeypatch.setattr(config, "_active_in_this_process", profiling)
-    proposer = RecordingProposer(manager._driver)
+    proposer = RecordingProposer(manager.driver)
     wrapped = patch._wrap_setup(RecordingProposer._setup_centroids_cuda_graphs)
     with config.outside_pools():
         wrapped(proposer)

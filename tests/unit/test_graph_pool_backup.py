@@ -16,7 +16,7 @@ AT = 256 * KIB
 def graph_pool_segment(**kwargs):
     driver = FakeVmmDriver(capacity=1 << 30)
     manager = GraphSleepAllocator(driver, **kwargs)
-    with manager.cudagraph_pool() as pool, manager._routed_to(pool):
+    with manager.cudagraph_pool() as pool, manager.routed_to(pool):
         address = driver.malloc(PAGE)
     driver.blocks[address] = [
         (0, AT, "inactive"),

@@ -313,7 +313,7 @@ def test_sleep_cycles_keep_exactly_the_buffers_the_allocator_holds_registered():
     driver.host_buffer = registered_buffers(runtime).make
     driver.release_dropped_host_buffers = _native.release_dropped_host_buffers
     manager = GraphSleepAllocator(driver)
-    with manager.cudagraph_pool() as pool, manager._routed_to(pool):
+    with manager.cudagraph_pool() as pool, manager.routed_to(pool):
         graph_segment = driver.malloc(PAGE)
     weights = driver.malloc(PAGE)
     driver.write(weights, 9)

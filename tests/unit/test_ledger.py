@@ -140,12 +140,12 @@ def test_ledger_without_a_gpu_has_none_fields_and_says_why():
 
 
 @pytest.fixture
-def faked_worker(monkeypatch):
+def faked_worker(monkeypatch, install_allocator):
     """A worker of our allocator on the faked VMM layer, with the driver queries
     answered by it (the stack limit) and by fixed figures (the rest)."""
     driver = FakeVmmDriver(capacity=1 << 30)
     manager = GraphSleepAllocator(driver)
-    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    install_allocator(manager)
     limits = {"printf_fifo": MiB, "malloc_heap": 8 * MiB}
 
     def limit(device, which):
@@ -156,7 +156,7 @@ def faked_worker(monkeypatch):
     monkeypatch.setattr(device_query, "used_bytes", lambda device: (2048 * MiB, "nvml process"))
     monkeypatch.setattr(ledger_module, "_vllm_cumem_mapped", lambda: 0)
     monkeypatch.setattr(ledger_module, "_torch_outside_pools", lambda segments: 20 * MiB)
-    monkeypatch.setattr(ledger_module, "_graphs", lambda: 67)
+    monkeypatch.setattr(ledger_module, "cudagraphs_captured", lambda: 67)
     monkeypatch.setattr(ledger_module, "_tp_size", lambda: 2)
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     for tag, size in (("weights", 64 * MiB), ("kv_cache", 256 * MiB), ("cudagraph", 32 * MiB)):
@@ -270,9 +270,8 @@ def test_render_results_shows_the_same_ledger_rows(recorded):
 
 
 def test_torch_memory_outside_the_pools_by_stream(faked_worker, monkeypatch):
-    from vllm_graph_sleep import probe
 
-    monkeypatch.setattr(probe, "sleep_allocator_addresses", lambda: {0x1000})
+    monkeypatch.setattr(ledger_module, "sleep_allocator_addresses", lambda: {0x1000})
     segments = [
         {"address": 0x1000, "total_size": 64 * MiB, "allocated_size": 64 * MiB, "stream": 0},
         {"address": 0x9000, "total_size": 20 * MiB, "allocated_size": 2 * MiB, "stream": 0},
@@ -327,15 +326,13 @@ def vllm_workspace(faked_worker, monkeypatch):
     from vllm.utils import torch_utils
     from vllm.v1.worker import workspace
 
-    from vllm_graph_sleep import probe
-
     buffers = [FakeBuffer(0x10_0000, 6 * MiB), None, FakeBuffer(0x1_0000_0000, 3 * MiB)]
     manager = types.SimpleNamespace(_current_workspaces=buffers)
     monkeypatch.setattr(workspace, "_manager", manager)
     monkeypatch.setattr(torch_utils, "_aux_stream", types.SimpleNamespace(cuda_stream=AUX))
     current = types.SimpleNamespace(cuda_stream=CURRENT)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
-    monkeypatch.setattr(probe, "sleep_allocator_addresses", lambda: {0x1_0000_0000})
+    monkeypatch.setattr(ledger_module, "sleep_allocator_addresses", lambda: {0x1_0000_0000})
     return manager
 
 

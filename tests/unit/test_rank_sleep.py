@@ -111,7 +111,7 @@ def _rank_of(worker):
 class Engine:
     """Two ranks, their allocators and drivers, vLLM's executor and engine core."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, install_allocator):
         self.drivers, self.allocators, self.weights, workers = [], [], [], []
         for rank in range(2):
             driver = FakeVmmDriver()
@@ -121,7 +121,7 @@ class Engine:
             driver.write(self.weights[-1], 10 + rank)
             with allocator.allocation_tag("kv_cache"):
                 driver.malloc(2 * PAGE)
-            monkeypatch.setattr(GraphSleepAllocator, "_instance", allocator)
+            install_allocator(allocator)
             worker = object.__new__(Worker)
             worker.rank = rank
             worker.model_runner = _ModelRunner()
@@ -131,7 +131,7 @@ class Engine:
             self.drivers.append(driver)
             self.allocators.append(allocator)
             workers.append(worker)
-        monkeypatch.setattr(GraphSleepAllocator, "_instance", None)
+        install_allocator(None)
         self.requests = [_Queue() for _ in workers]
         self.replies = [_Queue() for _ in workers]
         self._threads = []
@@ -178,14 +178,14 @@ class Engine:
 
 
 @pytest.fixture
-def engine(monkeypatch):
+def engine(monkeypatch, install_allocator):
     v1_worker_gpu_worker.apply()
     v1_executor_abstract.apply()
     monkeypatch.setattr(config, "_active_in_this_process", True)
     # Worker.sleep's device queries (a GPU's free memory does not matter here).
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args: None)
     monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda *args: (1 << 30, 2 << 30))
-    engine = Engine(monkeypatch)
+    engine = Engine(install_allocator)
     yield engine
     engine.close()
 

@@ -15,10 +15,10 @@ from vllm_graph_sleep.sampler_scratch import SAMPLER_MODULE, drop_sampler_scratc
 
 
 @pytest.fixture
-def backend(monkeypatch):
+def backend(install_allocator):
     driver = FakeVmmDriver()
     manager = GraphSleepAllocator(driver)
-    monkeypatch.setattr(GraphSleepAllocator, "_instance", manager)
+    install_allocator(manager)
     return GraphSleepBackend()
 
 

@@ -12,7 +12,9 @@ import weakref
 
 import pytest
 
-from tests.unit.test_allocator_bookkeeping import MIB, allocate, make
+from tests.unit.fake_vmm import FakeVmmDriver
+from tests.unit.test_allocator_bookkeeping import MIB, allocate
+from vllm_graph_sleep.allocator import GraphSleepAllocator
 from vllm_graph_sleep.settle import PROBE_DELAYS_S, Settler
 
 
@@ -20,9 +22,10 @@ def asleep(delays=None, fail_probes=False, **kwargs):
     """An allocator asleep at level 1 on the fake; `delays` replaces the probe
     schedule, `fail_probes` makes every probe fail (both before the sleep, so
     no probe can run first on a slow machine)."""
-    driver, manager = make(**kwargs)
+    driver = FakeVmmDriver()
     if delays is not None:
-        manager._settler = Settler(driver.probe_mapping, delays=delays)
+        kwargs["settler"] = Settler(driver.probe_mapping, delays=delays)
+    manager = GraphSleepAllocator(driver, **kwargs)
     if fail_probes:
         driver.fail("probe_mapping")
     allocate(driver, manager, "weights", 2 * MIB, value=7)

@@ -12,7 +12,7 @@ address, so it stayed resident while asleep: the 33 MiB the H200 ledger put on
 the capture stream (issue 15). With graph offload active the workspaces of the
 capture stream are made in our "cudagraph" pool as the context opens, so they
 sleep and wake with the graphs, and a sleep may drop torch's other workspaces
-(GraphSleepAllocator._release_blas_workspaces). Not while vLLM profiles graph
+(memory.workspaces.WorkspaceKeeper.release). Not while vLLM profiles graph
 memory (config.outside_pools): those graphs are thrown away.
 
 Also read: vllm.utils.torch_utils._aux_stream, the side stream vLLM 0.26's MoE

@@ -65,7 +65,6 @@ from __future__ import annotations
 import logging
 
 from vllm_graph_sleep import config, rank_sleep
-from vllm_graph_sleep._native import host_buffer_kind
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
 from vllm_graph_sleep.allocator import (
     GRAPH_TAG,
@@ -73,11 +72,11 @@ from vllm_graph_sleep.allocator import (
     RUNTIME_TAG,
     GraphSleepAllocator,
     WakeUpError,
-    check_switches,
 )
 from vllm_graph_sleep.breakable_order import mark_break_points
 from vllm_graph_sleep.earlier_pools import remember_pools_of_earlier_engines
 from vllm_graph_sleep.patches._wrap import require, wrap_function
+from vllm_graph_sleep.settings import AllocatorSettings
 from vllm_graph_sleep.units import format_bytes
 
 logger = logging.getLogger("vllm.graph_sleep")
@@ -109,10 +108,10 @@ def orphan_leftovers(allocator: GraphSleepAllocator) -> None:
     counted, freed when its tensors die. If that engine was shut down asleep,
     it is mapped back first (a reader would fault on it), from its host copy
     where the sleep kept one; the log says what came back without its contents."""
-    if not allocator.allocations:
+    if not allocator.allocated_addresses():
         return
     allocator.release_pools()
-    if not allocator.allocations:
+    if not allocator.allocated_addresses():
         return
     usage = allocator.usage_by_tag()
     lost = {tag: entry["dropped"] for tag, entry in usage.items() if entry["dropped"]}
@@ -159,17 +158,17 @@ def _wrap_init_device(original):
         gate = config.evaluate_gate(self.vllm_config)
         config.warn_if_ineffective(gate)
         if gate.active:
-            # A switch the allocator would refuse stops the worker here, before it
-            # sets anything up or marks the process active.
-            check_switches()
-            host_buffer_kind()
+            # The worker's edge: its switches are read once, here. One the
+            # allocator would refuse stops the worker before it sets anything
+            # up or marks the process active.
+            settings = AllocatorSettings.from_environ()
             config.apply_nccl_policy()
             # Before the original: it builds the all-reduce communicators, whose
             # patches must already see graph offload on.
             config.mark_active()
         result = original(self, *args, **kwargs)
         if gate.active:
-            orphan_leftovers(GraphSleepAllocator.get_instance())
+            orphan_leftovers(GraphSleepAllocator.get_instance(settings))
             self.vllm_config.model_config.sleep_mode_backend = config.BACKEND_NAME
             route_graph_capture_to_pool()
             logger.info("graph-sleep: CUDA/HIP graphs are captured into the cudagraph pool")

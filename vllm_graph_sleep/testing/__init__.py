@@ -10,12 +10,14 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-CYCLES = int(os.environ.get("GRAPH_SLEEP_TEST_CYCLES", "10"))
+from vllm_graph_sleep import settings
+
+CYCLES = settings.TEST_CYCLES.read()
 #: GRAPH_SLEEP_TEST_VLLM_DEFAULTS=1: engines keep vLLM's defaults where these
 #: tests otherwise shrink them for speed: gpu_memory_utilization (0.92 instead of
 #: 0.25), capture sizes (up to 512 instead of 1/2/4/8), max_model_len and
 #: max_num_seqs. Held-out suites, vLLM's own included, run with the defaults.
-VLLM_DEFAULTS = os.environ.get("GRAPH_SLEEP_TEST_VLLM_DEFAULTS", "0") == "1"
+VLLM_DEFAULTS = settings.TEST_VLLM_DEFAULTS.read()
 PROMPTS = [
     "The quick brown fox",
     "In a distant galaxy, the engineers",

@@ -87,7 +87,7 @@ def cudart() -> ctypes.CDLL:
 def poisoned_remaps(alloc: GraphSleepAllocator, value: int = POISON):
     """Fills every freshly mapped range with `value` before wake continues, so
     that dropped memory cannot come back right by luck."""
-    driver = alloc._driver
+    driver = alloc.driver
     original = driver.create_and_map
 
     def create_map_and_poison(device, size, address, handle):
@@ -114,7 +114,7 @@ def overlaps(tensor: torch.Tensor, address: int, size: int) -> bool:
 
 
 def allocator_library(alloc: GraphSleepAllocator) -> ctypes.CDLL:
-    library = ctypes.CDLL(alloc._driver.library_path())
+    library = ctypes.CDLL(alloc.driver.library_path())
     library.my_malloc.restype = ctypes.c_void_p
     library.my_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     library.my_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
@@ -330,7 +330,7 @@ def test_dropped_graph_pool_replays_when_the_graph_writes_all_it_reads():
 
 def in_use_outside_the_graph_pool(alloc, *streams) -> dict[int, int]:
     """Bytes in use per torch segment of `streams` that is not in the graph pool."""
-    in_graph_pool = {segment["address"] for segment in alloc._graph_pool_segments()}
+    in_graph_pool = {segment["address"] for segment in alloc.graph_pool_segments()}
     handles = {stream.cuda_stream for stream in streams}
     return {
         segment["address"]: segment["allocated_size"]
@@ -417,8 +417,8 @@ def test_a_side_stream_the_graph_forks_onto_gets_its_workspaces_in_the_pool_and_
         forward()  # the warm-up
         with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id, stream=capture):
             out = forward()
-    assert {capture.cuda_stream, side.cuda_stream} <= alloc._trusted_streams.keys()
-    graph_segments = alloc._graph_pool_segments()
+    assert {capture.cuda_stream, side.cuda_stream} <= alloc.trusted_streams()
+    graph_segments = alloc.graph_pool_segments()
     assert any(s["stream"] == side.cuda_stream and s["allocated_size"] > 0 for s in graph_segments)
     graph.replay()
     expected = torch.relu(x @ weight) + (x @ weight) * 2
@@ -511,7 +511,7 @@ def test_a_memset_in_the_mapping_path_breaks_capture(variant):
     codes = []
 
     def malloc_then_memset(device, size, address, handle):
-        alloc._on_malloc(device, size, address, handle)
+        alloc.table.on_malloc(device, size, address, handle)
         codes.append(runtime.cudaMemset(ctypes.c_void_p(address), 0, ctypes.c_size_t(size)))
         if variant == "memset-then-sync":
             codes.append(runtime.cudaDeviceSynchronize())
@@ -525,7 +525,7 @@ def test_a_memset_in_the_mapping_path_breaks_capture(variant):
     x = torch.randn(256, 256, device="cuda")
     torch.relu(x @ x)
     torch.cuda.synchronize()
-    alloc._driver.register_callbacks(malloc_then_memset, alloc._on_free)
+    alloc.driver.register_callbacks(malloc_then_memset, alloc.table.on_free)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="captur"):
         with alloc.cudagraph_pool() as pool:
@@ -586,13 +586,13 @@ def test_driver_errors_surface_as_runtime_errors_and_do_not_poison_the_allocator
         first = torch.ones(MIB, device="cuda")
     allocation = alloc.allocations[first.data_ptr()]
     with pytest.raises(RuntimeError, match=r"^(cu|hip)Mem\w+ failed: "):
-        alloc._driver.create_and_map(
+        alloc.driver.create_and_map(
             allocation.device, allocation.size, allocation.address, allocation.handle
         )
 
     library = allocator_library(alloc)
     assert library.my_malloc(1 << 60, 0, None) is None  # no such memory anywhere
-    assert "failed" in alloc._driver.last_error()
+    assert "failed" in alloc.driver.last_error()
 
     with alloc.use_memory_pool("weights"):
         second = torch.full((MIB,), 2.0, device="cuda")
@@ -658,7 +658,7 @@ def test_a_failed_my_malloc_logs_the_drivers_reason_once_per_call(capfd):
     library = allocator_library(alloc)
     capfd.readouterr()
     assert library.my_malloc(1 << 60, 0, None) is None
-    reason = alloc._driver.last_error()
+    reason = alloc.driver.last_error()
     assert re.match(r"(cu|hip)Mem\w+ failed: \S", reason), reason
     logged = [line for line in capfd.readouterr().err.splitlines() if "my_malloc" in line]
     line = f"[vllm_graph_sleep] my_malloc of {1 << 60} bytes on device 0 failed: {reason}"
@@ -729,7 +729,7 @@ def test_on_the_rocm_path_the_placeholder_keeps_the_range_from_other_reservation
     for that address, or any allocation, lands elsewhere, and wake maps the
     same address with its contents."""
     alloc = manager()
-    assert alloc._driver.is_rocm()
+    assert alloc.driver.is_rocm()
     library = allocator_library(alloc)
     library.hip_shim_reserve_elsewhere.restype = ctypes.c_ulonglong
     library.hip_shim_reserve_elsewhere.argtypes = [ctypes.c_ulonglong, ctypes.c_size_t]
@@ -748,8 +748,8 @@ def test_a_lost_placeholder_fails_the_wake_cleanly_and_a_retry_succeeds(capfd):
     placeholder, sleep still completes, wake fails without mapping anything,
     and succeeds at the same address once the range is free again."""
     alloc = manager()
-    assert alloc._driver.is_rocm() and alloc.zero_on_wake  # the ROCm path, chosen by the build
-    library = ctypes.CDLL(alloc._driver.library_path())
+    assert alloc.driver.is_rocm() and alloc.zero_on_wake  # the ROCm path, chosen by the build
+    library = ctypes.CDLL(alloc.driver.library_path())
     library.hip_shim_return_stolen_range.restype = ctypes.c_ulonglong
     expected = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8, device="cuda")
     with alloc.use_memory_pool("weights"):
@@ -851,7 +851,7 @@ def test_sleep_releases_the_stack_reservation_and_graphs_replay_after_wake():
     """The context's per-thread stack reservation is lowered while asleep and
     back before wake returns: a replay with too little stack would fail."""
     alloc = manager()
-    driver = alloc._driver
+    driver = alloc.driver
     static = torch.ones(MIB, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with alloc.cudagraph_pool() as pool, torch.cuda.graph(graph, pool=pool.id):
@@ -883,7 +883,7 @@ def test_an_engine_shut_down_asleep_leaves_the_next_one_its_stack_and_its_leftov
     from vllm_graph_sleep.patches.v1_worker_gpu_worker import orphan_leftovers
 
     alloc = manager()
-    driver = alloc._driver
+    driver = alloc.driver
     device = torch.cuda.current_device()
     limit = driver.stack_limit(device)
     with alloc.use_memory_pool("weights"):
@@ -921,7 +921,7 @@ def test_the_driver_probe_maps_nothing_for_good_and_a_sleep_makes_it_from_its_th
     touched the device; after a sleep the allocator's thread probes twice and
     the wake's log line says so (what it paid is printed, not asserted)."""
     alloc = manager()
-    driver = alloc._driver
+    driver = alloc.driver
     device = torch.cuda.current_device()
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
@@ -962,21 +962,22 @@ def test_a_process_that_exits_during_a_driver_probe_waits_for_it_and_exits_clean
     marks = tmp_path / "marks"
     script = f"""
 import pathlib, time, torch
+from vllm_graph_sleep._native import VmmDriver
 from vllm_graph_sleep.allocator import GraphSleepAllocator
+from vllm_graph_sleep.settle import Settler
 
 marks = pathlib.Path({str(marks)!r})
-alloc = GraphSleepAllocator.get_instance()
-real_probe = alloc._settler._probe
+driver = VmmDriver()
 
 def probe_then_linger(device):
     with marks.open("a") as f:
         f.write("began\\n")
-    real_probe(device)
+    driver.probe_mapping(device)
     time.sleep(0.4)
     with marks.open("a") as f:
         f.write("ended\\n")
 
-alloc._settler._probe = probe_then_linger
+alloc = GraphSleepAllocator(driver, settler=Settler(probe_then_linger))
 with alloc.use_memory_pool("weights"):
     weights = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
 alloc.sleep(offload_tags=("weights",))

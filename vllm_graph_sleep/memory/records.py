@@ -1,0 +1,161 @@
+"""The allocation table: one record per allocation of ours, filled by the
+extension's callbacks, and the queries over it. The tags live here too."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm_graph_sleep.coded_backup import CodedBackup
+    from vllm_graph_sleep.memory.driver import DeviceDriver
+
+DEFAULT_TAG = "default"
+WEIGHTS_TAG = "weights"
+KV_CACHE_TAG = "kv_cache"
+GRAPH_TAG = "cudagraph"
+# State built while the KV cache is initialised (attention metadata, block
+# tables, graph input buffers): small, backed up at every level.
+RUNTIME_TAG = "runtime"
+# Tags a wake may leave asleep; every other tag returns on any wake.
+DEFERRABLE_TAGS = (WEIGHTS_TAG, KV_CACHE_TAG)
+BUILTIN_TAGS = (DEFAULT_TAG, WEIGHTS_TAG, KV_CACHE_TAG, GRAPH_TAG, RUNTIME_TAG)
+
+
+@dataclasses.dataclass
+class Allocation:
+    device: int
+    size: int
+    address: int
+    handle: int
+    tag: str
+    mapped: bool = True
+    # Pinned host buffer. Kept across cycles unless host memory is released.
+    host: torch.Tensor | None = None
+    has_backup: bool = False
+    # (offset, bytes) of what the backup holds; None: the whole allocation.
+    backup_ranges: list[tuple[int, int]] | None = None
+    # Left by an earlier engine of this process and still referenced (vLLM keeps
+    # some module-level caches): never slept, not counted, freed when it dies.
+    orphaned: bool = False
+    # The backup's coded pieces (views of `host`), when weight backups are coded.
+    coded: CodedBackup | None = None
+
+    def drop_host(self) -> None:
+        """Lets the host buffer go, with the coded pieces that view it."""
+        self.host = None
+        self.coded = None
+
+    def backup_bytes(self) -> int:
+        if self.backup_ranges is None:
+            return self.size
+        return sum(size for _, size in self.backup_ranges)
+
+    def vmm_args(self) -> tuple[int, int, int, int]:
+        """(device, size, address, handle): what the driver's map calls take."""
+        return self.device, self.size, self.address, self.handle
+
+
+def add(per_tag: dict[str, int], tag: str, size: int) -> None:
+    per_tag[tag] = per_tag.get(tag, 0) + size
+
+
+class AllocationTable:
+    """Address -> record of every allocation of ours still alive. The
+    extension reports each allocation and free (`on_malloc`, `on_free`); the
+    tag recorded is the one `tag_now()` answers at that moment."""
+
+    def __init__(self, driver: DeviceDriver, tag_now) -> None:
+        self._driver = driver
+        self._tag_now = tag_now
+        self._by_address: dict[int, Allocation] = {}
+
+    # -- callbacks from the extension ------------------------------------
+
+    def on_malloc(self, device: int, size: int, address: int, handle: int) -> None:
+        self._by_address[address] = Allocation(device, size, address, handle, self._tag_now())
+
+    def on_free(self, address: int) -> tuple[int, int, bool]:
+        allocation = self._by_address.pop(address)
+        if allocation.mapped:
+            # The caching allocator may hand a block back while kernels queued
+            # on other streams still use it; unmapping then would fault them.
+            self._driver.synchronize(allocation.device)
+        allocation.drop_host()
+        return allocation.size, allocation.handle, allocation.mapped
+
+    # -- queries -----------------------------------------------------------
+
+    @property
+    def by_address(self) -> dict[int, Allocation]:
+        """The table itself (address -> record), for the allocator's own collaborators."""
+        return self._by_address
+
+    def get(self, address: int) -> Allocation | None:
+        return self._by_address.get(address)
+
+    def all(self) -> list[Allocation]:
+        """Every record, those of earlier engines included."""
+        return list(self._by_address.values())
+
+    def live(self) -> list[Allocation]:
+        """Allocations of the current engine (not orphaned)."""
+        return [a for a in self._by_address.values() if not a.orphaned]
+
+    def addresses(self) -> frozenset[int]:
+        return frozenset(self._by_address)
+
+    def orphan_all(self) -> int:
+        """Marks every allocation as left by an earlier engine; returns their bytes."""
+        for allocation in self._by_address.values():
+            allocation.orphaned = True
+        return sum(allocation.size for allocation in self._by_address.values())
+
+    def mapped_bytes(self, tag: str | None = None) -> int:
+        return sum(
+            allocation.size
+            for allocation in self.live()
+            if allocation.mapped and (tag is None or allocation.tag == tag)
+        )
+
+    def all_mapped_bytes(self) -> int:
+        """Bytes mapped, allocations of earlier engines included."""
+        return sum(a.size for a in self._by_address.values() if a.mapped)
+
+    def bytes_by_tag(self) -> dict[str, int]:
+        per_tag: dict[str, int] = {}
+        for allocation in self._by_address.values():
+            add(per_tag, allocation.tag, allocation.size)
+        return per_tag
+
+    def asleep_by_tag(self) -> dict[str, int]:
+        per_tag: dict[str, int] = {}
+        for allocation in self._by_address.values():
+            if not allocation.mapped:
+                add(per_tag, allocation.tag, allocation.size)
+        return per_tag
+
+    def usage_by_tag(self) -> dict[str, dict[str, int]]:
+        """Per tag: bytes mapped, asleep with a host backup, asleep without."""
+        usage: dict[str, dict[str, int]] = {}
+        for allocation in self.live():
+            entry = usage.setdefault(allocation.tag, {"mapped": 0, "backed_up": 0, "dropped": 0})
+            if allocation.mapped:
+                entry["mapped"] += allocation.size
+            elif allocation.has_backup:
+                entry["backed_up"] += allocation.backup_bytes()
+                entry["dropped"] += allocation.size - allocation.backup_bytes()
+            else:
+                entry["dropped"] += allocation.size
+        return usage
+
+    def host_bytes(self) -> int:
+        return sum(a.host.numel() for a in self._by_address.values() if a.host is not None)
+
+    def tags_in_use(self) -> set[str]:
+        return {allocation.tag for allocation in self._by_address.values()}
+
+    def __len__(self) -> int:
+        return len(self._by_address)
