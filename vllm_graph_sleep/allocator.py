@@ -64,12 +64,13 @@ from vllm_graph_sleep.memory.records import (
     AllocationTable,
     add,
 )
-from vllm_graph_sleep.memory.report import PhaseClock, coded_note, describe, format_bytes
+from vllm_graph_sleep.memory.report import PhaseClock, coded_note, describe
 from vllm_graph_sleep.memory.routing import PoolRouter
 from vllm_graph_sleep.memory.stack import STACK_WHILE_ASLEEP, StackLimiter
 from vllm_graph_sleep.memory.workspaces import WorkspaceKeeper
 from vllm_graph_sleep.settings import AllocatorSettings
 from vllm_graph_sleep.settle import Settler
+from vllm_graph_sleep.units import format_bytes
 
 __all__ = [
     "BUILTIN_TAGS",

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
-from vllm_graph_sleep.memory.report import PhaseClock, format_bytes
+from vllm_graph_sleep.memory.report import PhaseClock
 from vllm_graph_sleep.settings import COMPRESS_BACKUPS
+from vllm_graph_sleep.units import format_bytes
 
 if TYPE_CHECKING:
     from vllm_graph_sleep.memory.driver import DeviceDriver

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 import time
 
-
-def format_bytes(size: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale:
-            return f"{size / scale:.2f} {unit}"
-    return f"{size} B"
+from vllm_graph_sleep.units import format_bytes
 
 
 def describe(per_tag: dict[str, int]) -> str:
