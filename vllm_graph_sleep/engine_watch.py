@@ -10,7 +10,9 @@ answer, which it does only between whatever it is busy with (reload_weights, a
 long wake, a stuck collective). Here one task per server asks, with at most one
 question in flight and a timeout on it, and only while a request waits on the
 answer; a waiter waits for an answer with its own deadline, never for the
-engine.
+engine. Questions start at least POLL_S apart, however many requests arrive
+meanwhile, so the engine is asked at most about ten times a second whatever
+the load (a request that arrives between two questions waits for the next).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ class EngineWatch:
         self._question_since: float | None = None  # when the question in flight was asked
         self._awake_asked_at: float | None = None  # when the latest "awake" question was asked
         self._answered = asyncio.Event()  # replaced after each answer
-        self._fresh_wanted = asyncio.Event()  # a waiter needs a question asked after it came
         self._task: asyncio.Task | None = None
 
     async def until_awake(self, engine: Any, deadline: float) -> bool:
@@ -50,7 +51,6 @@ class EngineWatch:
         request); False at the deadline, whatever the engine does."""
         needed = self._asked + 1
         self._interest(engine, +1)
-        self._fresh_wanted.set()
         try:
             while self._awake_answer < needed:
                 remaining = deadline - time.monotonic()
@@ -90,7 +90,6 @@ class EngineWatch:
     async def _ask_while_wanted(self) -> None:
         try:
             while self._interested:
-                self._fresh_wanted.clear()
                 self._asked += 1
                 number = self._asked
                 self._question_since = asked_at = time.monotonic()
@@ -104,11 +103,8 @@ class EngineWatch:
                     self._awake_asked_at = asked_at
                 answered, self._answered = self._answered, asyncio.Event()
                 answered.set()
-                if self._interested and not self._fresh_wanted.is_set():
-                    try:
-                        await asyncio.wait_for(self._fresh_wanted.wait(), self.poll_s)
-                    except asyncio.TimeoutError:
-                        pass
+                if self._interested:
+                    await asyncio.sleep(max(0.0, asked_at + self.poll_s - time.monotonic()))
         finally:
             # Nobody watches: what it said goes stale, the next watcher starts afresh.
             self._task = None
