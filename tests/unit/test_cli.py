@@ -564,6 +564,9 @@ def fake_bench(tmp_path, monkeypatch):
         return command(name, model_dir, port, settings) + ["--used-file", str(used)]
 
     monkeypatch.setattr(runner, "real_command", fake_command)
+    # vllm_graph_sleep.testing sets spawn for the engine tests when imported: the
+    # bench's own default (fork) is what these tests check.
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.setattr(gpu, "NvmlMemory", lambda count: FakeMemory(used))
     monkeypatch.setattr(floor, "floor_command", lambda gpus: fake_floor_child(used))
     out = tmp_path / "out"
