@@ -1097,9 +1097,14 @@ def test_a_coded_wake_fits_in_exactly_what_the_sleep_freed(monkeypatch):
     assert allocation_of(alloc, weights).coded is not None
     freed = torch.cuda.mem_get_info()[0] - free_awake
     assert freed >= weights.nbytes + kv.nbytes
-    blocker = hold_all_free_memory_but(freed)
+    # Mapping back takes the driver a few MiB more than the sleep's release
+    # returned, raw or coded (on an H200 a raw wake of these allocations failed
+    # with 1 MiB over what the sleep freed and succeeded with 7): 16-32 MiB over
+    # is room for that and far from the staging's 86 MiB, which the wake needed
+    # on top before it gave the staging back first.
+    blocker = hold_all_free_memory_but(freed + 16 * MIB)
     free_blocked = torch.cuda.mem_get_info()[0]
-    assert freed <= free_blocked < freed + 16 * MIB
+    assert freed + 16 * MIB <= free_blocked < freed + 32 * MIB
     alloc.wake_up()
     assert torch.equal(weights, source)
     kv[-MIB:].fill_(4)
