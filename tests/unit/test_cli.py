@@ -1545,6 +1545,7 @@ def test_doctor_help(capsys):
     assert code == 0 and out.startswith("usage: vllm-graph-sleep doctor")
 
 
+@pytest.mark.slow
 def test_doctor_command_line_is_quiet_and_clean():
     result = subprocess.run(
         [sys.executable, "-m", "vllm_graph_sleep.cli", "doctor", "--platform", "cuda", *ACTIVE],

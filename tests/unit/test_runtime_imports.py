@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 #: Modules only a bench run, a test or a probe asks for.
@@ -68,6 +70,7 @@ def _modules_after_serving_start() -> list[str]:
     return json.loads(line.removeprefix("REPORT "))
 
 
+@pytest.mark.slow
 def test_serving_loads_no_bench_testing_or_diagnostics_module():
     loaded = _modules_after_serving_start()
     # The serving path itself was exercised: the patches, the backend, the worker's wiring.
