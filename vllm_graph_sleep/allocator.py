@@ -50,7 +50,14 @@ from typing import Any
 import torch
 
 from vllm_graph_sleep import settings as switches
-from vllm_graph_sleep.memory.backups import POISON_BYTE, Backups, FillPolicy, resolve_coding
+from vllm_graph_sleep.memory.backups import (
+    POISON_BYTE,
+    BackupCount,
+    Backups,
+    FillPolicy,
+    resolve_coding,
+    resolve_keeping,
+)
 from vllm_graph_sleep.memory.driver import DeviceDriver, MemoryPool
 from vllm_graph_sleep.memory.records import (
     BUILTIN_TAGS,
@@ -64,7 +71,7 @@ from vllm_graph_sleep.memory.records import (
     AllocationTable,
     add,
 )
-from vllm_graph_sleep.memory.report import PhaseClock, coded_note, describe
+from vllm_graph_sleep.memory.report import PhaseClock, coded_note, copy_note, describe
 from vllm_graph_sleep.memory.routing import PoolRouter
 from vllm_graph_sleep.memory.stack import STACK_WHILE_ASLEEP, StackLimiter
 from vllm_graph_sleep.memory.workspaces import WorkspaceKeeper
@@ -191,9 +198,11 @@ class GraphSleepAllocator:
         self._backups = Backups(
             driver,
             coded=compress_backups,
+            keep_unchanged=resolve_keeping(given.keep_unchanged_backups),
             whole_graph_pool=given.whole_graph_pool_backup,
             fill=fill,
         )
+        self._last_backup = BackupCount()
         # The extension keeps its own references to these bound methods.
         driver.register_callbacks(self.table.on_malloc, self.table.on_free)
 
@@ -223,6 +232,14 @@ class GraphSleepAllocator:
     @compress_backups.setter
     def compress_backups(self, coded: bool) -> None:
         self._backups.coded = coded
+
+    @property
+    def keeps_unchanged_backups(self) -> bool:
+        return self._backups.keep_unchanged
+
+    def last_backup(self) -> BackupCount:
+        """What the last sleep's backup copied and kept, bytes per tag."""
+        return self._last_backup
 
     @property
     def zero_on_wake(self) -> bool:
@@ -390,7 +407,7 @@ class GraphSleepAllocator:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
-            self._backups.back_up(to_back_up, live)
+            self._last_backup = self._backups.back_up(to_back_up, live)
         except Exception as error:
             # Copies already queued must not outlive the call: a later sleep that
             # drops these allocations, or shutdown, lets their buffers go (and a
@@ -451,8 +468,9 @@ class GraphSleepAllocator:
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
         clock.lap("host buffers given back")
         logger.info(
-            "graph-sleep sleep: backed up %s%s; dropped %s; %s; %s; %s",
+            "graph-sleep sleep: backed up %s%s%s; dropped %s; %s; %s; %s",
             describe(kept),
+            copy_note(self._last_backup) if self._backups.keep_unchanged else "",
             coded_note(released),
             describe(dropped),
             stack,

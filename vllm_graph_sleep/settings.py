@@ -151,6 +151,12 @@ COMPRESS_BACKUPS = Switch(
     yes_no,
     "code weight backups on the GPU before copying them to host memory (Triton)",
 )
+KEEP_UNCHANGED_BACKUPS = Switch(
+    PREFIX + "KEEP_UNCHANGED_BACKUPS",
+    "unset: on where Triton imports",
+    yes_no,
+    "a sleep copies again only the 1 MiB blocks changed since the backup it kept (fingerprints)",
+)
 WHOLE_GRAPH_POOL_BACKUP = Switch(
     PREFIX + "BACK_UP_WHOLE_GRAPH_POOL",
     "unset: live blocks only",
@@ -200,6 +206,7 @@ SWITCHES: tuple[Switch, ...] = (
     RELEASE_BLAS_WORKSPACES,
     SETTLE_AFTER_SLEEP,
     COMPRESS_BACKUPS,
+    KEEP_UNCHANGED_BACKUPS,
     WHOLE_GRAPH_POOL_BACKUP,
     HOST_BUFFERS,
     POISON_GRAPH_SCRATCH,
@@ -303,6 +310,7 @@ class AllocatorSettings:
     release_blas_workspaces: bool = True
     settle_after_sleep: bool = True
     compress_backups: bool | None = None
+    keep_unchanged_backups: bool | None = None
     whole_graph_pool_backup: bool = False
     host_buffers: str = REGISTERED_HOST_BUFFERS
     poison_graph_scratch: bool = False
@@ -320,6 +328,7 @@ class AllocatorSettings:
             release_blas_workspaces=RELEASE_BLAS_WORKSPACES.read(environ) is not False,
             settle_after_sleep=SETTLE_AFTER_SLEEP.read(environ) is not False,
             compress_backups=COMPRESS_BACKUPS.read(environ),
+            keep_unchanged_backups=KEEP_UNCHANGED_BACKUPS.read(environ),
             whole_graph_pool_backup=bool(WHOLE_GRAPH_POOL_BACKUP.read(environ)),
             poison_graph_scratch=bool(POISON_GRAPH_SCRATCH.read(environ)),
             poison_remapped=bool(POISON_REMAPPED.read(environ)),

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
+from tests.unit import fingerprint_reference
+
 STALE_BYTE = 0x5A
 PAGE = 2 << 20
 DEFAULT_STACK = 1024  # bytes per thread, what an H200 context starts with
@@ -74,6 +76,7 @@ class FakeVmmDriver:
         self.probes: list[int] = []  # devices probed (probe_mapping), in order
         self.unmap_calls: list[int] = []
         self.sync_calls = 0
+        self.fingerprinted_bytes = 0
         self.routing: list[FakePool] = []  # pools allocations go to, as torch sees it
         # Weak: a log must not keep a dropped pool alive.
         self.routing_log: list[tuple[str, weakref.ref]] = []
@@ -138,6 +141,11 @@ class FakeVmmDriver:
         if address not in self.memory:
             raise RuntimeError(f"illegal memory access at {address:#x}")
         return self.memory[address]
+
+    def fingerprint(self, data: torch.Tensor, out: torch.Tensor) -> None:
+        self._maybe_fail("fingerprint", "CUDA error: an illegal memory access was encountered")
+        out.copy_(fingerprint_reference.fingerprints(data))
+        self.fingerprinted_bytes += data.numel()
 
     def stack_limit(self, device: int) -> int:
         self._maybe_fail("stack_limit", "cuCtxGetLimit failed: invalid context")

@@ -302,7 +302,7 @@ def test_coding_follows_the_switch_then_the_drivers_default(monkeypatch, caplog)
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         assert GraphSleepAllocator(driver).compress_backups is False
-    assert "Triton, which codes them, cannot be imported" in caplog.text
+    assert "Triton, which codes backups, cannot be imported" in caplog.text
     driver, manager = make()
     weights = allocate(driver, manager, "weights", SIZE, value=7)
     manager.sleep(offload_tags=("weights",))
@@ -316,3 +316,27 @@ def test_switching_coding_on_without_triton_fails_at_start_with_the_reason(monke
     monkeypatch.setenv("VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS", "1")
     with pytest.raises(RuntimeError, match="VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1 codes backups"):
         make()
+
+
+def test_an_unchanged_coded_backup_is_kept_and_a_changed_one_coded_again():
+    """Issue 38: a coded backup is kept whole while its fingerprints match,
+    and coded again whole (its code table spans the allocation) when one
+    byte changed; both come back exact."""
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=4))
+    manager.sleep(offload_tags=("weights",))
+    first = manager.allocations[weights].coded
+    manager.wake_up()
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 0}
+    assert manager.allocations[weights].coded is first
+    manager.wake_up()
+    driver.memory[weights][SIZE - 3] ^= 0x01
+    expected = driver.memory[weights].clone()
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": SIZE}
+    again = manager.allocations[weights].coded
+    assert again is not first and all(piece.coded is not None for piece in again.pieces)
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)

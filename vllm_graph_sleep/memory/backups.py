@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_graph_sleep.memory import fingerprints as blocks_of
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
 from vllm_graph_sleep.memory.report import PhaseClock
-from vllm_graph_sleep.settings import COMPRESS_BACKUPS
+from vllm_graph_sleep.settings import COMPRESS_BACKUPS, KEEP_UNCHANGED_BACKUPS
 from vllm_graph_sleep.units import format_bytes
 
 if TYPE_CHECKING:
@@ -62,36 +63,105 @@ def _fill_with(data: torch.Tensor, byte: int) -> None:
         data.fill_(byte)
 
 
-def resolve_coding(switch: bool | None, driver: DeviceDriver) -> bool:
-    """Whether weight backups are coded: as switched, else the driver's
-    default where Triton imports. Checked here, at start, rather than at the
-    first sleep."""
-    if switch is False or (switch is None and not driver.codes_backups_by_default()):
+def _triton_feature(switch: bool | None, default: bool, name: str, without: str, uses: str) -> bool:
+    """Whether a feature built on Triton kernels is on: as switched (`name`),
+    else `default` where Triton imports. Checked at start rather than at the
+    first sleep. `without`: what a sleep does instead, `uses`: what the
+    kernels do (for the log line and the error)."""
+    if switch is False or (switch is None and not default):
         return False
     try:
         import triton  # noqa: F401
     except ImportError as error:
         if switch is None:
             logger.info(
-                "graph-sleep: weight backups are copied as they are: Triton, which codes them, "
-                "cannot be imported (%s)",
-                error,
+                "graph-sleep: %s: Triton, which %s, cannot be imported (%s)", without, uses, error
             )
             return False
-        name = COMPRESS_BACKUPS.name
         raise RuntimeError(
-            f"{name}=1 codes backups with Triton kernels, and Triton "
-            f"cannot be imported: {error}. Install Triton or unset {name}."
+            f"{name}=1 {uses} with Triton kernels, and Triton cannot be imported: {error}. "
+            f"Install Triton or unset {name}."
         ) from error
     return True
 
 
+def resolve_coding(switch: bool | None, driver: DeviceDriver) -> bool:
+    """Whether weight backups are coded: as switched, else the driver's default."""
+    return _triton_feature(
+        switch,
+        driver.codes_backups_by_default(),
+        COMPRESS_BACKUPS.name,
+        "weight backups are copied as they are",
+        "codes backups",
+    )
+
+
+def resolve_keeping(switch: bool | None) -> bool:
+    """Whether a sleep keeps the backup blocks that did not change: as
+    switched, else wherever Triton imports."""
+    return _triton_feature(
+        switch,
+        True,
+        KEEP_UNCHANGED_BACKUPS.name,
+        "every sleep copies its backups again",
+        "fingerprints backups",
+    )
+
+
+@dataclasses.dataclass
+class BackupCount:
+    """Bytes per tag a sleep's backup copied to host memory and bytes it kept
+    from the backup before, unchanged since (their fingerprints say so)."""
+
+    copied: dict[str, int] = dataclasses.field(default_factory=dict)
+    kept: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _changed_blocks(
+    then: torch.Tensor | None,
+    now: torch.Tensor | None,
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The (device, host) spans of the blocks whose fingerprint `now` (the
+    device's) differs from `then` (the host backup's), neighbours joined into
+    one span; None: all of them, nothing being known of what the host holds."""
+    if then is None or now is None or then.shape != now.shape:
+        return None
+    differs = (then != now).any(dim=1).tolist()
+    spans = []
+    first = 0
+    for device_range, host_range in pairs:
+        count = blocks_of.blocks(device_range.numel())
+        flags = differs[first : first + count]
+        first += count
+        block = 0
+        while block < count:
+            if not flags[block]:
+                block += 1
+                continue
+            end = block
+            while end < count and flags[end]:
+                end += 1
+            lo = block * blocks_of.BLOCK_BYTES
+            hi = min(end * blocks_of.BLOCK_BYTES, device_range.numel())
+            spans.append((device_range[lo:hi], host_range[lo:hi]))
+            block = end
+    return spans
+
+
 class Backups:
     def __init__(
-        self, driver: DeviceDriver, *, coded: bool, whole_graph_pool: bool, fill: FillPolicy
+        self,
+        driver: DeviceDriver,
+        *,
+        coded: bool,
+        keep_unchanged: bool,
+        whole_graph_pool: bool,
+        fill: FillPolicy,
     ) -> None:
         self._driver = driver
         self.coded = coded
+        self.keep_unchanged = keep_unchanged
         self.whole_graph_pool = whole_graph_pool
         self.fill_policy = fill
 
@@ -142,21 +212,41 @@ class Backups:
 
     def back_up(
         self, allocations: list[Allocation], live: dict[int, list[tuple[int, int]]]
-    ) -> None:
+    ) -> BackupCount:
         """Copies `allocations` to pinned host buffers and waits for the copies;
-        `live`: the ranges to copy of graph-pool segments (live_ranges).
+        `live`: the ranges to copy of graph-pool segments (live_ranges). With
+        keep_unchanged, the blocks whose fingerprint equals that of the backup
+        an allocation's host buffer still holds are not copied again (a coded
+        backup is kept whole or coded again whole: its code table spans the
+        allocation). Returns what was copied and what was kept.
 
         The driver makes each buffer the exact size needed, registered with
         cudaHostRegister, or from torch's pinned allocator (rounded up to a
         power of two) under VLLM_GRAPH_SLEEP_HOST_BUFFERS=torch or once a
         registration failed. A registered buffer is unregistered at the next
         release point after its last view dies (the end of this sleep for a
-        replaced one), so dropping `allocation.host` is all a replacement needs."""
+        replaced one), so dropping `allocation.host` is all a replacement needs.
+        On failure no host buffer of `allocations` is trusted any more: a copy
+        may have written part of it."""
+        try:
+            return self._back_up(allocations, live)
+        except BaseException:
+            for allocation in allocations:
+                allocation.fingerprints = None
+            raise
+
+    def _back_up(
+        self, allocations: list[Allocation], live: dict[int, list[tuple[int, int]]]
+    ) -> BackupCount:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
-        to_code: dict[int, list[tuple[Allocation, list[tuple[torch.Tensor, torch.Tensor]]]]] = {}
+        count = BackupCount()
+        pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for allocation in allocations:
-            allocation.backup_ranges = live.get(allocation.address)
+            ranges = live.get(allocation.address)
+            if ranges != allocation.backup_ranges:
+                allocation.fingerprints = None  # the host holds other ranges
+            allocation.backup_ranges = ranges
             needed = allocation.backup_bytes()
             held = 0 if allocation.host is None else allocation.host.numel()
             # Reused across cycles; replaced when too small or far too large.
@@ -165,13 +255,32 @@ class Backups:
             elif not needed <= held <= 2 * needed:
                 allocation.drop_host()
                 allocation.host = self._driver.host_buffer(needed)
-            pairs = self.pairs(allocation)
-            allocation.coded = None
-            if self.coded and allocation.tag == WEIGHTS_TAG and pairs:
+            pairs_of[allocation.address] = self.pairs(allocation)
+        now = self._fingerprints(allocations, pairs_of)
+        to_code: dict[int, list[tuple[Allocation, list[tuple[torch.Tensor, torch.Tensor]]]]] = {}
+        for allocation in allocations:
+            pairs = pairs_of[allocation.address]
+            coding = self.coded and allocation.tag == WEIGHTS_TAG and bool(pairs)
+            if coding != (allocation.coded is not None):
+                allocation.fingerprints = None  # the host holds the other format
+            changed = _changed_blocks(allocation.fingerprints, now.get(allocation.address), pairs)
+            allocation.fingerprints = now.get(allocation.address)
+            copied = (
+                allocation.backup_bytes()
+                if changed is None
+                else sum(device_range.numel() for device_range, _ in changed)
+            )
+            if coding and copied:
+                copied = allocation.backup_bytes()
+                allocation.coded = None
                 to_code.setdefault(allocation.device, []).append((allocation, pairs))
-                continue
-            for device_range, host_range in pairs:
-                host_range.copy_(device_range, non_blocking=True)
+            elif not coding:
+                allocation.coded = None
+                spans = pairs if changed is None else changed
+                for device_range, host_range in spans:
+                    host_range.copy_(device_range, non_blocking=True)
+            add(count.copied, allocation.tag, copied)
+            add(count.kept, allocation.tag, allocation.backup_bytes() - copied)
         if to_code:
             # Imported here: it brings Triton, which nothing else needs.
             from vllm_graph_sleep import coded_backup
@@ -182,11 +291,53 @@ class Backups:
                     allocation.coded = backup
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
-        if any(allocation.coded is not None for allocation in allocations):
-            # The coder's scratch, cached by torch outside our pools.
+        if to_code or now:
+            # The coder's scratch and the fingerprints' device copy, cached by
+            # torch outside our pools.
             self._driver.release_cached_memory(collect_garbage=False)
         for allocation in allocations:
             allocation.has_backup = True
+        return count
+
+    def _fingerprints(
+        self,
+        allocations: list[Allocation],
+        pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+    ) -> dict[int, torch.Tensor]:
+        """Address -> host int64 [blocks, lanes] fingerprints of each
+        allocation's backed-up bytes as the device holds them now, block by
+        block over its pairs: all taken on the device, then read in one copy
+        per device. Empty when backups are not kept."""
+        if not self.keep_unchanged:
+            return {}
+        by_device: dict[torch.device, list[Allocation]] = {}
+        for allocation in allocations:
+            pairs = pairs_of[allocation.address]
+            if pairs:
+                by_device.setdefault(pairs[0][0].device, []).append(allocation)
+        result: dict[int, torch.Tensor] = {}
+        for device, on_device in by_device.items():
+            counts = [
+                [blocks_of.blocks(device_range.numel()) for device_range, _ in pairs_of[a.address]]
+                for a in on_device
+            ]
+            out = torch.empty(
+                (sum(map(sum, counts)), blocks_of.LANES), dtype=torch.int64, device=device
+            )
+            at = 0
+            for allocation, per_pair in zip(on_device, counts, strict=True):
+                for (device_range, _), n in zip(
+                    pairs_of[allocation.address], per_pair, strict=True
+                ):
+                    self._driver.fingerprint(device_range, out[at : at + n])
+                    at += n
+            host = out.cpu()
+            del out
+            at = 0
+            for allocation, per_pair in zip(on_device, counts, strict=True):
+                result[allocation.address] = host[at : at + sum(per_pair)].clone()
+                at += sum(per_pair)
+        return result
 
     def device_bytes(self, allocation: Allocation) -> torch.Tensor:
         return self._driver.device_bytes(allocation.device, allocation.address, allocation.size)

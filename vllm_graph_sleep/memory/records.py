@@ -42,11 +42,15 @@ class Allocation:
     orphaned: bool = False
     # The backup's coded pieces (views of `host`), when weight backups are coded.
     coded: CodedBackup | None = None
+    # What `host` holds, as int64 [blocks, lanes] fingerprints (memory.fingerprints)
+    # of the backed-up bytes, block by block over the backup's pairs; None: unknown.
+    fingerprints: torch.Tensor | None = None
 
     def drop_host(self) -> None:
         """Lets the host buffer go, with the coded pieces that view it."""
         self.host = None
         self.coded = None
+        self.fingerprints = None
 
     def backup_bytes(self) -> int:
         if self.backup_ranges is None:

@@ -14,6 +14,12 @@ def describe(per_tag: dict[str, int]) -> str:
     return ", ".join(f"{tag} {format_bytes(size)}" for tag, size in sorted(per_tag.items()))
 
 
+def copy_note(count) -> str:
+    """' (copied <bytes>, kept <bytes> unchanged)' for a sleep's BackupCount."""
+    copied, kept = (sum(per_tag.values()) for per_tag in (count.copied, count.kept))
+    return f" (copied {format_bytes(copied)}, kept {format_bytes(kept)} unchanged)"
+
+
 def coded_note(allocations: list) -> str:
     coded = [allocation for allocation in allocations if allocation.coded is not None]
     if not coded:

@@ -1248,3 +1248,50 @@ def test_a_refused_registration_falls_back_and_leaves_no_error_for_the_next_kern
     torch.ones(16, device="cuda").add_(1)
     torch.cuda.synchronize()
     assert int(torch.cuda.cudart().cudaHostUnregister(view.data_ptr())) == 0
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (torch.equal says a NaN differs from itself)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@fresh_process
+@pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
+def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(coded):
+    """Issue 38 on a real GPU: the Triton fingerprints, a sleep that copies
+    nothing unchanged since the last wake, one flipped bit (in a NaN's
+    payload) copied again (its 1 MiB block raw, the whole allocation coded),
+    poisoned remaps so that nothing comes back right by luck."""
+    from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES
+
+    alloc = manager()
+    alloc.compress_backups = coded
+    assert alloc.keeps_unchanged_backups
+    generator = torch.Generator("cuda").manual_seed(1)
+    source = (torch.randn(64 * MIB, generator=generator, device="cuda") * 0.02).to(torch.bfloat16)
+    source.view(torch.int16)[5] = 0x7FC0  # a quiet NaN
+    with alloc.use_memory_pool("weights"):
+        weights = [torch.empty_like(source) for _ in range(2)]  # 128 MiB each
+    for tensor in weights:
+        tensor.copy_(source)
+    size = allocation_of(alloc, weights[0]).backup_bytes()
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.last_backup().copied == {"weights": 2 * size}
+    for _ in range(2):
+        with poisoned_remaps(alloc):
+            alloc.wake_up()
+        assert all(same_bits(tensor, source) for tensor in weights)
+        alloc.sleep(offload_tags=("weights",))
+        assert alloc.last_backup().copied == {"weights": 0}
+        assert alloc.last_backup().kept == {"weights": 2 * size}
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    weights[1].view(torch.int16)[5] ^= 0x0001  # the NaN's payload, one bit
+    expected = weights[1].clone()
+    assert not same_bits(expected, source)
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.last_backup().copied == {"weights": size if coded else BLOCK_BYTES}
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    assert same_bits(weights[0], source)
+    assert same_bits(weights[1], expected)

@@ -1,0 +1,214 @@
+"""How long the allocator's level-1 sleep takes against a plain device-to-host
+copy of the same bytes, and what keeping unchanged backups saves (issue 38).
+
+One GPU, 8 GiB of bf16 weights (N(0, 0.02), what the coder is made for) in 64
+tensors under the tag "weights". Each mode runs in a fresh process (the
+allocator is a per-process singleton): raw backups, coded backups, and raw
+backups with keeping switched off. In each, after a first sleep and wake
+(host buffers made), --repeats rounds of:
+- `changed`: every tensor rewritten with new weights, then a timed sleep;
+- `unchanged`: a timed sleep right after the wake;
+- `quarter`: 16 of the 64 tensors rewritten, then a timed sleep;
+- `plain`: a timed copy of the same 8 GiB into one pinned host buffer made
+  beforehand, non_blocking, then a synchronize;
+every wake checked bit for bit against a device copy kept outside the pools.
+Each sleep's own log line (where its time went) is kept for the last round.
+
+    python benchmarks/sleep_copy.py --out docs/results/sleep-copy-h200.json
+
+Exit status 0 when every mode ran and every wake was exact, 1 otherwise,
+2 without a GPU or the extension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GIB = 1 << 30
+TENSORS = 64
+MODES = {
+    "raw": {
+        "VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "0",
+        "VLLM_GRAPH_SLEEP_KEEP_UNCHANGED_BACKUPS": "1",
+    },
+    "coded": {
+        "VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "1",
+        "VLLM_GRAPH_SLEEP_KEEP_UNCHANGED_BACKUPS": "1",
+    },
+    "raw_not_kept": {
+        "VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "0",
+        "VLLM_GRAPH_SLEEP_KEEP_UNCHANGED_BACKUPS": "0",
+    },
+}
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeps: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "graph-sleep sleep:" in record.getMessage():
+            self.sleeps.append(record.getMessage())
+
+
+def _timed(action) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    action()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_mode(total_bytes: int, repeats: int) -> dict[str, Any]:
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+
+    lines = _Lines()
+    logging.getLogger("vllm.graph_sleep").addHandler(lines)
+    logging.getLogger("vllm.graph_sleep").setLevel(logging.INFO)
+    alloc = GraphSleepAllocator.get_instance()
+    per_tensor = total_bytes // TENSORS // 2  # bf16 elements
+    generator = torch.Generator("cuda").manual_seed(0)
+
+    def new_weights(into: torch.Tensor) -> None:
+        into.normal_(0.0, 0.02, generator=generator)
+
+    with alloc.use_memory_pool("weights"):
+        weights = [
+            torch.empty(per_tensor, dtype=torch.bfloat16, device="cuda") for _ in range(TENSORS)
+        ]
+    for tensor in weights:
+        new_weights(tensor)
+    expected = [tensor.clone() for tensor in weights]
+    host = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=True)
+    exact = True
+
+    def sleep() -> float:
+        return _timed(lambda: alloc.sleep(offload_tags=("weights",)))
+
+    def wake() -> None:
+        nonlocal exact
+        alloc.wake_up()
+        exact &= all(
+            torch.equal(a.view(torch.int16), b.view(torch.int16))
+            for a, b in zip(weights, expected, strict=True)
+        )
+
+    def rewrite(count: int) -> None:
+        for tensor, copy in zip(weights[:count], expected[:count], strict=True):
+            new_weights(tensor)
+            copy.copy_(tensor)
+
+    def plain() -> float:
+        def copy_all() -> None:
+            at = 0
+            for tensor in weights:
+                flat = tensor.view(torch.uint8)
+                host[at : at + flat.numel()].copy_(flat, non_blocking=True)
+                at += flat.numel()
+
+        return _timed(copy_all)
+
+    first = sleep()
+    wake()
+    seconds: dict[str, list[float]] = {"changed": [], "unchanged": [], "quarter": [], "plain": []}
+    copied: dict[str, int] = {}
+    for _ in range(repeats):
+        seconds["plain"].append(plain())
+        for case, count in (("changed", TENSORS), ("unchanged", 0), ("quarter", TENSORS // 4)):
+            rewrite(count)
+            lines.sleeps.clear()
+            seconds[case].append(sleep())
+            copied[case] = sum(alloc.last_backup().copied.values())
+            copied[case + "_line"] = lines.sleeps[-1] if lines.sleeps else None
+            wake()
+    return {
+        "bytes": total_bytes,
+        "first_sleep_s": first,
+        "median_s": {case: statistics.median(values) for case, values in seconds.items()},
+        "all_s": seconds,
+        "copied_bytes": {k: v for k, v in copied.items() if not k.endswith("_line")},
+        "last_sleep_lines": {
+            k[: -len("_line")]: v for k, v in copied.items() if k.endswith("_line")
+        },
+        "coded": alloc.compress_backups,
+        "kept": alloc.keeps_unchanged_backups,
+        "exact": exact,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=8.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mode-result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    total = int(args.gib * GIB) // (TENSORS * 2 * 4096) * TENSORS * 2 * 4096
+    if args.mode_result:
+        args.mode_result.write_text(json.dumps(run_mode(total, args.repeats)))
+        return 0
+    if not torch.cuda.is_available():
+        print("no GPU: nothing to measure", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {
+        "gib": args.gib,
+        "tensors": TENSORS,
+        "device": torch.cuda.get_device_name(),
+    }
+    ok = True
+    for mode in args.modes:
+        result = args.out.with_suffix(f".{mode}.part.json")
+        child = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--gib",
+                str(args.gib),
+                "--repeats",
+                str(args.repeats),
+                "--out",
+                str(args.out),
+                "--mode-result",
+                str(result),
+            ],
+            env={**os.environ, **MODES[mode]},
+            capture_output=True,
+            text=True,
+        )
+        if child.returncode != 0 or not result.exists():
+            report[mode] = {"error": child.stderr[-3000:]}
+            ok = False
+            continue
+        report[mode] = json.loads(result.read_text())
+        result.unlink()
+        ok &= report[mode]["exact"]
+        median = report[mode]["median_s"]
+        ratios = {
+            case: median[case] / median["plain"] for case in ("changed", "unchanged", "quarter")
+        }
+        report[mode]["over_plain"] = ratios
+        print(
+            f"{mode:13s} plain {1000 * median['plain']:7.1f} ms | "
+            + " | ".join(f"{c} {1000 * median[c]:7.1f} ms ({ratios[c]:.2f}x)" for c in ratios)
+            + f" | exact {report[mode]['exact']}"
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

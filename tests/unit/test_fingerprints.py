@@ -1,0 +1,119 @@
+"""The fingerprints a sleep compares to keep unchanged backup blocks (issue
+38): any flipped bit of any byte changes its block's fingerprint and no
+other's, whatever the bytes hold (bf16 NaN payloads, fp8, integers); moved
+words change it; the Triton kernel gives the numpy reference's numbers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.fingerprint_reference import fingerprints
+from vllm_graph_sleep.memory import fingerprints as fp
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = fp.BLOCK_BYTES
+
+
+def _contents(kind: str, size: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(hash(kind) % 1000)
+    if kind == "bf16 NaNs":
+        # Every word a NaN: exponent all ones, payloads that differ in one bit only.
+        words = torch.full((size // 2,), 0x7FC0, dtype=torch.int16)
+        words[::3] = 0x7FC1
+        return words.view(torch.uint8)
+    if kind == "fp8":
+        values = torch.randn(size, generator=generator).to(torch.float8_e4m3fn)
+        return values.view(torch.uint8)
+    if kind == "int32":
+        return torch.arange(size // 4, dtype=torch.int32).view(torch.uint8)
+    if kind == "zeros":
+        return torch.zeros(size, dtype=torch.uint8)
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+
+
+@pytest.mark.parametrize("kind", ["bf16 NaNs", "fp8", "int32", "zeros", "random"])
+def test_any_flipped_bit_changes_its_blocks_fingerprint_and_no_other(kind):
+    data = _contents(kind, 3 * BLOCK)
+    before = fingerprints(data)
+    assert before.shape == (3, fp.LANES)
+    generator = torch.Generator().manual_seed(7)
+    places = torch.randint(0, data.numel(), (24,), generator=generator).tolist()
+    for byte in [0, BLOCK - 1, BLOCK, data.numel() - 1, *places]:
+        for bit in (0, 7) if byte not in places else (byte % 8,):
+            flipped = data.clone()
+            flipped[byte] ^= 1 << bit
+            after = fingerprints(flipped)
+            changed = (after != before).all(dim=1)  # both lanes
+            assert changed.tolist() == [i == byte // BLOCK for i in range(3)], (kind, byte, bit)
+
+
+def test_words_that_move_change_the_fingerprint():
+    data = _contents("random", BLOCK)
+    words = data.view(torch.int64)
+    swapped = words.clone()
+    swapped[[10, 20]] = swapped[[20, 10]]
+    shifted = torch.roll(words, 1)
+    before = fingerprints(data)
+    for moved in (swapped, shifted):
+        assert not torch.equal(fingerprints(moved.view(torch.uint8)), before)
+    # Equal words in other places still give each block its own fingerprint.
+    zeros = fingerprints(torch.zeros(2 * BLOCK, dtype=torch.uint8))
+    assert not torch.equal(zeros[0], zeros[1])
+
+
+def test_a_short_last_block_and_bad_ranges():
+    data = _contents("random", BLOCK + 4096)
+    assert fingerprints(data).shape == (2, fp.LANES)
+    assert fp.blocks(0) == 0 and fp.blocks(1) == 1 and fp.blocks(BLOCK) == 1
+    pytest.importorskip("triton")
+    from vllm_graph_sleep.memory import fingerprint_kernel
+
+    out = torch.empty(1, fp.LANES, dtype=torch.int64)
+    with pytest.raises(ValueError, match="whole 8-byte words"):
+        fingerprint_kernel.fingerprint(torch.zeros(12, dtype=torch.uint8), out)
+    with pytest.raises(ValueError, match=r"int64 \[1, 2\]"):
+        fingerprint_kernel.fingerprint(torch.zeros(16, dtype=torch.uint8), out[:, :1])
+
+
+_KERNEL_CHECK = """
+import torch
+from tests.unit.fingerprint_reference import fingerprints
+from vllm_graph_sleep.memory import fingerprint_kernel, fingerprints as fp
+generator = torch.Generator().manual_seed(3)
+for size in (8, 4096, fp.BLOCK_BYTES, 2 * fp.BLOCK_BYTES + 520):
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
+    if size > 8:
+        data[:512] = 0xFF  # NaN bit patterns of every float type
+    out = torch.empty(fp.blocks(size), fp.LANES, dtype=torch.int64)
+    fingerprint_kernel.fingerprint(data, out)
+    assert torch.equal(out, fingerprints(data)), size
+    # A range that starts inside a larger buffer, as a graph-pool live range does.
+    inner = data[8:]
+    out = torch.empty(fp.blocks(inner.numel()), fp.LANES, dtype=torch.int64)
+    fingerprint_kernel.fingerprint(inner, out)
+    assert torch.equal(out, fingerprints(inner)), size
+print("kernel equals reference")
+"""
+
+
+def test_the_kernel_gives_the_references_fingerprints():
+    """In Triton's interpreter, which TRITON_INTERPRET=1 turns on for kernels
+    defined after it is set: a fresh process."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", _KERNEL_CHECK],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "kernel equals reference" in result.stdout
