@@ -91,6 +91,13 @@ def _our_mapped() -> int:
     return 0 if allocator is None else allocator.all_mapped_bytes()
 
 
+def _last_backup(which: str) -> int:
+    allocator = GraphSleepAllocator.current()
+    if allocator is None:
+        return 0
+    return sum(getattr(allocator.last_backup(), which).values())
+
+
 def _vllm_cumem_mapped() -> int:
     from vllm.device_allocator.cumem import CuMemAllocator
 
@@ -387,6 +394,8 @@ def ledger(device: int, segments: list[dict[str, Any]]) -> dict[str, Any]:
             "torch_reserved_outside_pools", lambda: _torch_outside_pools(segments)
         ),
         "instantiated_graphs": get("instantiated_graphs", cudagraphs_captured),
+        "host_backup_copied": get("host_backup_copied", lambda: _last_backup("copied")),
+        "host_backup_kept": get("host_backup_kept", lambda: _last_backup("kept")),
         "cuda_modules": None,
         "torch_outside_pools_by_stream": get(
             "torch_outside_pools_by_stream", lambda: torch_outside_pools_by_stream(segments)

@@ -165,6 +165,16 @@ def faked_worker(monkeypatch, install_allocator):
     return manager
 
 
+def test_the_ledger_says_what_the_last_sleep_copied_and_kept(faked_worker):
+    faked_worker.sleep(offload_tags=("weights",))
+    first = ledger_module.ledger(0, [])
+    assert (first["host_backup_copied"], first["host_backup_kept"]) == (64 * MiB, 0)
+    faked_worker.wake_up()
+    faked_worker.sleep(offload_tags=("weights",))
+    again = ledger_module.ledger(0, [])
+    assert (again["host_backup_copied"], again["host_backup_kept"]) == (0, 64 * MiB)
+
+
 def test_ledger_across_a_sleep_of_our_allocator(faked_worker):
     awake = ledger_module.ledger(0, [])
     assert awake["our_pools_mapped"] == 352 * MiB
