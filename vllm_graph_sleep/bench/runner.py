@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_graph_sleep import settings as switches
 from vllm_graph_sleep.bench import estimate, floor, model_info, start_rounds
 from vllm_graph_sleep.bench.client import Client
 from vllm_graph_sleep.bench.gpu import MemorySource
@@ -148,11 +149,9 @@ def host_info(memory: MemorySource) -> dict[str, Any]:
 def switches_set(environ: dict[str, str]) -> dict[str, str]:
     """This plugin's environment switches that the servers inherit (they change
     what "ours" measures, e.g. coded weight backups): recorded with the results."""
-    # Imported here: the allocator brings torch, which the bench's own process
-    # otherwise loads only for the floor.
-    from vllm_graph_sleep.allocator import HOST_BUFFERS_ENV, SWITCH_ENVS
-
-    names = (*SWITCH_ENVS, HOST_BUFFERS_ENV)
+    # From the declarations, not the allocator, which would bring torch into the
+    # bench's own process (2-3.5 s of imports; its children load torch themselves).
+    names = (*switches.WORKER_YES_NO, switches.HOST_BUFFERS.name)
     return {name: environ[name] for name in names if name in environ}
 
 
