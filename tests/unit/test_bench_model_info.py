@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -39,19 +41,22 @@ _VLLMS_OWN_CHILD = (
 
 
 @pytest.mark.slow
-def test_vllms_registry_writes_the_cache_the_servers_read(tmp_path, monkeypatch):
+def test_vllms_registry_writes_the_cache_the_servers_read(tmp_path):
     """The real child against the installed vLLM: the cache file vLLM's registry
     reads at a server's start appears, the same file that vLLM's registry writes
-    when it inspects in a child of its own (about 40 s on CPU: marked slow)."""
+    when it inspects in a child of its own, as a server does, GPUs visible (about
+    40 s on CPU: marked slow)."""
 
     def cached(root):
-        env = {**os.environ, "VLLM_CACHE_ROOT": str(root)}
-        assert model_info.finish(model_info.start("LlamaForCausalLM", env)) == "done"
         files = list((root / "modelinfos").glob("*LlamaForCausalLM*.json"))
         assert files, sorted(p.name for p in root.rglob("*"))
         return files[0].name, json.loads(files[0].read_text())
 
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "ours")}
+    assert model_info.finish(model_info.start("LlamaForCausalLM", env)) == "done"
     ours = cached(tmp_path / "ours")
     assert ours[1]["modelinfo"]
-    monkeypatch.setattr(model_info, "_INSPECT", _VLLMS_OWN_CHILD)
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm")}
+    command = [sys.executable, "-c", _VLLMS_OWN_CHILD, "LlamaForCausalLM"]
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
     assert cached(tmp_path / "vllm") == ours

@@ -575,6 +575,43 @@ def fake_bench(tmp_path, monkeypatch):
     return argv, out
 
 
+def test_the_warm_up_and_a_model_made_on_the_cpu_run_beside_the_floor_without_a_gpu(
+    fake_bench, monkeypatch, tmp_path
+):
+    # Both children start before the floor's and see no GPU (CUDA hidden), so
+    # the floor still measures a GPU nothing else of the bench's holds.
+    argv, out = fake_bench
+    at = argv.index("--model")
+    argv = [*argv[:at], "--cache-dir", str(tmp_path / "cache"), *argv[at + 2 :]]
+    seen = {name: tmp_path / f"{name}.env" for name in ("model", "warm-up")}
+
+    def records(path):
+        seen_as = "os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')"
+        return f"import os, pathlib; pathlib.Path({str(path)!r}).write_text({seen_as})"
+
+    monkeypatch.setattr(
+        runner, "model_command", lambda kind, target: [sys.executable, "-c", records(seen["model"])]
+    )
+    monkeypatch.setattr(model_info, "_INSPECT", records(seen["warm-up"]))
+    measure = floor.measure
+    running = {}
+
+    def floor_measure(memory, env=None):
+        deadline = time.monotonic() + 30
+        while not all(p.exists() for p in seen.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running.update({name: p.exists() for name, p in seen.items()})
+        return measure(memory, env)
+
+    monkeypatch.setattr(floor, "measure", floor_measure)
+    assert cli.main(argv) == 0
+    assert running == {"model": True, "warm-up": True}
+    assert {name: p.read_text() for name, p in seen.items()} == {"model": "", "warm-up": ""}
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == str((tmp_path / "cache" / "llama").resolve())
+    assert results["model_info_warm"] == "done" and "error" not in results["floor"]
+
+
 def test_the_bench_warms_the_models_architecture_before_the_first_server(fake_bench, monkeypatch):
     argv, out = fake_bench
     model = argv[argv.index("--model") + 1]

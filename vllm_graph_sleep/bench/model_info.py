@@ -6,18 +6,18 @@ its engine starts, then caches what it found under VLLM_CACHE_ROOT/modelinfos;
 every later start reads the cache. Without a warm-up, whichever configuration
 the bench starts first pays it alone, which made ours' first start look 1.57x
 stock's on a fresh H200 (docs/results/bench-default.md). The bench asks the
-registry for the same inspection in a child process of its own while it makes
-the model, and waits for it before the first server starts, so every
+registry for the same inspection in a child process of its own while it
+measures the floor and makes the model, and waits for it before the first server starts, so every
 configuration starts with the cache warm.
 
 vLLM's registry inspects in a further child of the process that asks
 (registry._run_in_subprocess), so that the asking process never initialises
-CUDA. The bench's child is such a process already, and it exits before the
-bench measures anything on the GPU again (the floor is measured before it
-starts), so it inspects in itself, as vLLM's child does, after loading the
-general plugins: one interpreter's imports instead of two, which halves the
-warm-up (11-12 s instead of 25-26 s on a 2-core machine), and the cache file is
-the one vLLM's own child writes (test_bench_model_info.py compares them).
+CUDA. The bench's child is such a process already, one that cannot reach a GPU
+at all (gpu.NO_GPU) and exits before the first server starts, so it inspects in
+itself, as vLLM's child does, after loading the general plugins: one
+interpreter's imports instead of two, which halves the warm-up (11-12 s instead
+of 25-26 s on a 2-core machine), and the cache file is the one vLLM's own child
+writes (test_bench_model_info.py compares them).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from vllm_graph_sleep.bench.gpu import NO_GPU
 
 #: Seconds a warm-up may take before the bench goes on without it (the server
 #: then inspects the model itself, as without a warm-up).
@@ -65,7 +67,9 @@ def start(architecture: str | None, env: dict[str, str]) -> subprocess.Popen | N
         return None
     return subprocess.Popen(
         [sys.executable, "-c", _INSPECT, architecture],
-        env=env,
+        # What it finds are the model class's interfaces, no GPU's: it runs
+        # while the floor is measured, where nothing of the bench's may hold one.
+        env={**env, **NO_GPU},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
