@@ -996,15 +996,33 @@ def test_the_estimate_counts_every_start_and_step():
     default = bench_settings([])
     assert estimate.server_starts(default) == 3
     base = estimate.estimate_s(default, model_to_make=False)
-    assert estimate.estimate_s(default, model_to_make=True) == base + estimate.MODEL_S
+    # The model is made beside the floor and the model-info warm-up.
+    prepared = max(estimate.FLOOR_S, estimate.MODEL_INFO_S, estimate.MODEL_S)
+    assert estimate.estimate_s(default, model_to_make=True) - base == prepared - max(
+        estimate.FLOOR_S, estimate.MODEL_INFO_S
+    )
+    large = bench_settings(["--model-kind", "llama_8b"])  # drawn on the GPU, after the floor
+    assert estimate.preparation_s(large, True) == max(
+        estimate.MODEL_INFO_S, estimate.FLOOR_S + estimate.MODEL_S
+    )
+    # ours compiles; stock with graphs loads what it compiled; eager compiles nothing.
+    assert estimate.starts_s(default) == (
+        estimate.COMPILING_START_S + estimate.START_S + estimate.EAGER_START_S + 3 * estimate.STOP_S
+    )
     warm = bench_settings(["--warm-starts", "2", "--start-rounds", "1"])
     assert estimate.server_starts(warm) == 12
-    assert estimate.estimate_s(warm, False) - base == 9 * (estimate.START_S + estimate.STOP_S)
+    assert estimate.starts_s(warm) - estimate.starts_s(default) == 3 * (
+        2 * estimate.START_S + estimate.EAGER_START_S + 3 * estimate.STOP_S
+    )
+    assert estimate.estimate_s(warm, False) - base == (
+        estimate.starts_s(warm) - estimate.starts_s(default)
+    )
     one = bench_settings(["--configs", "ours", "--cycles", "1", "--no-floor"])
     fixed, per_step = estimate.OTHER_MEASURE_S
-    assert estimate.estimate_s(one, False) == estimate.START_S + estimate.STOP_S + fixed + (
-        4 * per_step
+    assert estimate.estimate_s(one, False) == (
+        estimate.MODEL_INFO_S + estimate.COMPILING_START_S + estimate.STOP_S + fixed + 4 * per_step
     )
+    assert "3 `vllm serve` start(s) of about 55 s each" in estimate.describe(default, True)
     assert [estimate.minutes(s) for s in (44.6, 60, 245.2)] == ["45 s", "1 min 00 s", "4 min 05 s"]
 
 

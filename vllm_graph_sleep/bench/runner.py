@@ -36,7 +36,7 @@ from vllm_graph_sleep.bench.server import (
     server_env,
     with_forked_engine_core,
 )
-from vllm_graph_sleep.bench.settings import BenchSettings
+from vllm_graph_sleep.bench.settings import BenchSettings, made_on_the_cpu
 
 CommandFor = Callable[[str, str, int, BenchSettings], list[str]]
 RESULTS_JSON = "results.json"
@@ -121,14 +121,6 @@ def _architecture(settings: BenchSettings) -> str | None:
     from vllm_graph_sleep.testing.models import ARCHITECTURES
 
     return ARCHITECTURES.get(settings.model_kind)
-
-
-def made_on_the_cpu(kind: str) -> bool:
-    """Whether a model of `kind` is made without a GPU (a large kind draws its
-    weights on one: testing.models)."""
-    from vllm_graph_sleep.testing.models import LARGE_KINDS
-
-    return kind not in LARGE_KINDS
 
 
 def model_command(kind: str, target: Path) -> list[str]:

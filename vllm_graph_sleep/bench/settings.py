@@ -23,6 +23,14 @@ PROMPTS = (
 DECODE_PROMPT = "Once upon a time, in a small village by the sea,"
 
 
+def made_on_the_cpu(kind: str) -> bool:
+    """Whether a model of `kind` is made without a GPU (a large kind draws its
+    weights on one: testing.models)."""
+    from vllm_graph_sleep.testing.models import LARGE_KINDS
+
+    return kind not in LARGE_KINDS
+
+
 @dataclasses.dataclass
 class BenchSettings:
     model: str | None = None  # a local model directory; None: make one of model_kind
