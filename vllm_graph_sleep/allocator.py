@@ -111,11 +111,7 @@ HOST_BUFFERS_ENV = switches.HOST_BUFFERS.name
 POISON_GRAPH_SCRATCH_ENV = switches.POISON_GRAPH_SCRATCH.name
 POISON_REMAPPED_ENV = switches.POISON_REMAPPED.name
 #: The yes/no switches the allocator reads (AllocatorSettings reads them all).
-SWITCH_ENVS = tuple(
-    switch.name
-    for switch in switches.SWITCHES
-    if switch.reader == switches.WORKER and switch.parse is switches.yes_no
-)
+SWITCH_ENVS = switches.WORKER_YES_NO
 
 
 class WakeUpError(RuntimeError):

@@ -62,7 +62,8 @@ def flag_requested(vllm_config: Any) -> bool:
 
 def hashed_as(vllm_config: Any) -> Any:
     """The config that vLLM's config hash should see: `vllm_config` itself, or,
-    where additional_config carries our flag, a shallow copy without it.
+    where additional_config carries our flag, a shallow copy without it and
+    without the sleep-mode backend the flag makes the worker choose.
 
     vLLM keys its torch.compile and AOT caches (and the FlashInfer autotune
     cache) by VllmConfig.compute_hash, which hashes all of additional_config, so
@@ -71,13 +72,31 @@ def hashed_as(vllm_config: Any) -> Any:
     and what sleep and wake do with it, all at run time after compilation, while
     what the compiled code depends on (model, shapes, compilation config with its
     cudagraph mode, capture sizes and passes) is hashed in its own right. Other
-    keys of additional_config still count."""
+    keys of additional_config still count.
+
+    The same holds for ModelConfig.sleep_mode_backend, which vLLM hashes too (it
+    is not among ModelConfig.compute_hash's ignored factors): with the gate on,
+    the worker's init_device sets it to ours, before the model is compiled
+    (patch vllm.v1.worker.gpu_worker). A backend only decides where memory goes
+    at sleep and wake; vLLM reads the field at the first sleep, and no compiled
+    code does. So where it names ours, the hash takes vLLM's default there, what
+    a stock server on the same arguments has."""
     additional = getattr(vllm_config, "additional_config", None)
     if not isinstance(additional, dict) or FLAG not in additional:
         return vllm_config
     view = copy.copy(vllm_config)  # the sub-configs are shared, not copied
     view.additional_config = {k: v for k, v in additional.items() if k != FLAG}
+    model_config = getattr(view, "model_config", None)
+    if getattr(model_config, "sleep_mode_backend", None) == BACKEND_NAME:
+        view.model_config = copy.copy(model_config)
+        view.model_config.sleep_mode_backend = _stock_backend(model_config)
     return view
+
+
+def _stock_backend(model_config: Any) -> str:
+    """The sleep-mode backend ModelConfig declares as its default ("cumem" in 0.26)."""
+    fields = {field.name: field for field in dataclasses.fields(model_config)}
+    return fields["sleep_mode_backend"].default
 
 
 def _cudagraphs_off(vllm_config: Any) -> bool:

@@ -215,6 +215,10 @@ SWITCHES: tuple[Switch, ...] = (
     MAX_HELD_REQUESTS,
 )
 BY_NAME: dict[str, Switch] = {switch.name: switch for switch in SWITCHES}
+#: The names of the yes/no switches a worker reads (AllocatorSettings reads them all).
+WORKER_YES_NO: tuple[str, ...] = tuple(
+    switch.name for switch in SWITCHES if switch.reader == WORKER and switch.parse is yes_no
+)
 
 #: Who reads the test suite's switches: the tests and their engine helpers.
 TEST_SUITE = "test suite"

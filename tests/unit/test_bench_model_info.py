@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -30,12 +32,31 @@ def test_finish_says_how_the_warm_up_ended(monkeypatch):
     assert child.returncode is not None  # killed, not left running
 
 
+# vLLM's inspection as a server asks for it: in a further child of this one.
+_VLLMS_OWN_CHILD = (
+    "import sys\n"
+    "from vllm.model_executor.models.registry import ModelRegistry\n"
+    "sys.exit(0 if ModelRegistry._try_inspect_model_cls(sys.argv[1]) is not None else 4)\n"
+)
+
+
 @pytest.mark.slow
 def test_vllms_registry_writes_the_cache_the_servers_read(tmp_path):
     """The real child against the installed vLLM: the cache file vLLM's registry
-    reads at a server's start appears (about 30 s on CPU: marked slow)."""
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path)}
+    reads at a server's start appears, the same file that vLLM's registry writes
+    when it inspects in a child of its own, as a server does, GPUs visible (about
+    40 s on CPU: marked slow)."""
+
+    def cached(root):
+        files = list((root / "modelinfos").glob("*LlamaForCausalLM*.json"))
+        assert files, sorted(p.name for p in root.rglob("*"))
+        return files[0].name, json.loads(files[0].read_text())
+
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "ours")}
     assert model_info.finish(model_info.start("LlamaForCausalLM", env)) == "done"
-    cached = list((tmp_path / "modelinfos").glob("*LlamaForCausalLM*.json"))
-    assert cached, sorted(p.name for p in tmp_path.rglob("*"))
-    assert json.loads(cached[0].read_text())["modelinfo"]
+    ours = cached(tmp_path / "ours")
+    assert ours[1]["modelinfo"]
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(tmp_path / "vllm")}
+    command = [sys.executable, "-c", _VLLMS_OWN_CHILD, "LlamaForCausalLM"]
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
+    assert cached(tmp_path / "vllm") == ours

@@ -575,6 +575,43 @@ def fake_bench(tmp_path, monkeypatch):
     return argv, out
 
 
+def test_the_warm_up_and_a_model_made_on_the_cpu_run_beside_the_floor_without_a_gpu(
+    fake_bench, monkeypatch, tmp_path
+):
+    # Both children start before the floor's and see no GPU (CUDA hidden), so
+    # the floor still measures a GPU nothing else of the bench's holds.
+    argv, out = fake_bench
+    at = argv.index("--model")
+    argv = [*argv[:at], "--cache-dir", str(tmp_path / "cache"), *argv[at + 2 :]]
+    seen = {name: tmp_path / f"{name}.env" for name in ("model", "warm-up")}
+
+    def records(path):
+        seen_as = "os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')"
+        return f"import os, pathlib; pathlib.Path({str(path)!r}).write_text({seen_as})"
+
+    monkeypatch.setattr(
+        runner, "model_command", lambda kind, target: [sys.executable, "-c", records(seen["model"])]
+    )
+    monkeypatch.setattr(model_info, "_INSPECT", records(seen["warm-up"]))
+    measure = floor.measure
+    running = {}
+
+    def floor_measure(memory, env=None):
+        deadline = time.monotonic() + 30
+        while not all(p.exists() for p in seen.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        running.update({name: p.exists() for name, p in seen.items()})
+        return measure(memory, env)
+
+    monkeypatch.setattr(floor, "measure", floor_measure)
+    assert cli.main(argv) == 0
+    assert running == {"model": True, "warm-up": True}
+    assert {name: p.read_text() for name, p in seen.items()} == {"model": "", "warm-up": ""}
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == str((tmp_path / "cache" / "llama").resolve())
+    assert results["model_info_warm"] == "done" and "error" not in results["floor"]
+
+
 def test_the_bench_warms_the_models_architecture_before_the_first_server(fake_bench, monkeypatch):
     argv, out = fake_bench
     model = argv[argv.index("--model") + 1]
@@ -704,6 +741,18 @@ def test_the_switches_the_servers_inherit_are_recorded_and_printed(fake_bench, c
         "switches: VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1, VLLM_GRAPH_SLEEP_HOST_BUFFERS=torch"
         in capsys.readouterr().out
     )
+
+
+def test_recording_the_switches_leaves_torch_out_of_the_benchs_own_process():
+    # Importing torch there was most of the 3.5 s run 17 spent between the warm-up
+    # and its first server on the H200.
+    code = (
+        "import sys\n"
+        "from vllm_graph_sleep.bench import runner\n"
+        "assert runner.switches_set({'VLLM_GRAPH_SLEEP_HOST_BUFFERS': 'torch'})\n"
+        "sys.exit('torch' in sys.modules)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
 def test_ours_with_coded_and_raw_backups_are_configurations_of_their_own(
@@ -947,15 +996,33 @@ def test_the_estimate_counts_every_start_and_step():
     default = bench_settings([])
     assert estimate.server_starts(default) == 3
     base = estimate.estimate_s(default, model_to_make=False)
-    assert estimate.estimate_s(default, model_to_make=True) == base + estimate.MODEL_S
+    # The model is made beside the floor and the model-info warm-up.
+    prepared = max(estimate.FLOOR_S, estimate.MODEL_INFO_S, estimate.MODEL_S)
+    assert estimate.estimate_s(default, model_to_make=True) - base == prepared - max(
+        estimate.FLOOR_S, estimate.MODEL_INFO_S
+    )
+    large = bench_settings(["--model-kind", "llama_8b"])  # drawn on the GPU, after the floor
+    assert estimate.preparation_s(large, True) == max(
+        estimate.MODEL_INFO_S, estimate.FLOOR_S + estimate.MODEL_S
+    )
+    # ours compiles; stock with graphs loads what it compiled; eager compiles nothing.
+    assert estimate.starts_s(default) == (
+        estimate.COMPILING_START_S + estimate.START_S + estimate.EAGER_START_S + 3 * estimate.STOP_S
+    )
     warm = bench_settings(["--warm-starts", "2", "--start-rounds", "1"])
     assert estimate.server_starts(warm) == 12
-    assert estimate.estimate_s(warm, False) - base == 9 * (estimate.START_S + estimate.STOP_S)
+    assert estimate.starts_s(warm) - estimate.starts_s(default) == 3 * (
+        2 * estimate.START_S + estimate.EAGER_START_S + 3 * estimate.STOP_S
+    )
+    assert estimate.estimate_s(warm, False) - base == (
+        estimate.starts_s(warm) - estimate.starts_s(default)
+    )
     one = bench_settings(["--configs", "ours", "--cycles", "1", "--no-floor"])
     fixed, per_step = estimate.OTHER_MEASURE_S
-    assert estimate.estimate_s(one, False) == estimate.START_S + estimate.STOP_S + fixed + (
-        4 * per_step
+    assert estimate.estimate_s(one, False) == (
+        estimate.MODEL_INFO_S + estimate.COMPILING_START_S + estimate.STOP_S + fixed + 4 * per_step
     )
+    assert "3 `vllm serve` start(s) of about 55 s each" in estimate.describe(default, True)
     assert [estimate.minutes(s) for s in (44.6, 60, 245.2)] == ["45 s", "1 min 00 s", "4 min 05 s"]
 
 

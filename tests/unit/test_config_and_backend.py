@@ -388,6 +388,39 @@ def test_the_flag_leaves_vllms_compile_cache_keys_unchanged(tiny_model):
     assert other_config.compute_hash() == alone.compute_hash()
 
 
+def test_the_worker_choosing_our_backend_leaves_the_compile_cache_keys_unchanged(
+    tiny_model, worker_patch, monkeypatch
+):
+    """A worker with graph offload on selects our sleep-mode backend in its
+    model_config in init_device, before vLLM compiles the model and takes the
+    cache keys; vLLM hashes ModelConfig.sleep_mode_backend, so the keys must
+    still be a stock server's (on the H200, ours and stock with graphs compiled
+    into two caches whose config hashes alone differed)."""
+    vllm_graph_sleep.register()
+    from vllm.compilation.caching import aot_compile_hash_factors
+    from vllm.engine.arg_utils import EngineArgs
+
+    def built(**kwargs):
+        return EngineArgs(model=tiny_model, skip_tokenizer_init=True, **kwargs)
+
+    init_device, routed = worker_patch
+    monkeypatch.setattr(config, "evaluate_gate", lambda vc, platform=None: config.Gate(True, True))
+    stock = built().create_engine_config()
+    worker = FakeWorker(built(sleep_mode_offload_cudagraph=True).create_engine_config())
+    init_device(worker)
+    assert routed == [1]
+    assert worker.vllm_config.compute_hash() == stock.compute_hash()
+    assert aot_compile_hash_factors(worker.vllm_config) == aot_compile_hash_factors(stock)
+    # Hashed as without it, still ours where vLLM reads it at the first sleep.
+    assert worker.vllm_config.model_config.sleep_mode_backend == config.BACKEND_NAME
+    # What the hash leaves out is ours alone: a stock config choosing a
+    # backend by name is hashed as vLLM hashes it.
+    chosen = built(additional_config={"other": 1}).create_engine_config()
+    chosen.model_config.sleep_mode_backend = config.BACKEND_NAME
+    alone = built(additional_config={"other": 1}).create_engine_config()
+    assert chosen.compute_hash() != alone.compute_hash()
+
+
 def _serve_engine_args(*argv: str):
     """EngineArgs exactly as `vllm serve ARGV` builds them (parser and from_cli_args)."""
     vllm_graph_sleep.register()

@@ -24,6 +24,12 @@ class MemorySource(Protocol):
     def used(self) -> list[int]: ...
 
 
+#: The environment of a child that must not reach a GPU: with CUDA hidden it
+#: cannot create a context, so it may run while the floor is measured. vLLM
+#: still finds its CUDA platform there (it asks NVML, which ignores the variable).
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def visible_gpu_ids(environ: dict[str, str] | None = None) -> list[str] | None:
     """CUDA_VISIBLE_DEVICES as a list of ids (indices or UUIDs), None when unset."""
     value = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_graph_sleep import settings as switches
 from vllm_graph_sleep.bench import estimate, floor, model_info, start_rounds
 from vllm_graph_sleep.bench.client import Client
-from vllm_graph_sleep.bench.gpu import MemorySource
+from vllm_graph_sleep.bench.gpu import NO_GPU, MemorySource
 from vllm_graph_sleep.bench.report import SCHEMA, floor_line, format_table, write_json
 from vllm_graph_sleep.bench.scenario import Scenario
 from vllm_graph_sleep.bench.server import (
@@ -33,7 +36,7 @@ from vllm_graph_sleep.bench.server import (
     server_env,
     with_forked_engine_core,
 )
-from vllm_graph_sleep.bench.settings import BenchSettings
+from vllm_graph_sleep.bench.settings import BenchSettings, made_on_the_cpu
 
 CommandFor = Callable[[str, str, int, BenchSettings], list[str]]
 RESULTS_JSON = "results.json"
@@ -82,17 +85,33 @@ def model_to_make(settings: BenchSettings) -> bool:
     )
 
 
-def resolve_model(settings: BenchSettings, progress: Callable[[str], None]) -> str:
+def start_model(settings: BenchSettings, progress: Callable[[str], None]) -> MadeInAChild | None:
+    """Starts making the run's model in a child process; None when there is
+    nothing to make (--model, or one cached already)."""
+    if not model_to_make(settings):
+        return None
+    target = _made_model_dir(settings)
+    progress(f"making the {settings.model_kind} model in {target} (once; reused next time)")
+    return MadeInAChild(settings.model_kind, target)
+
+
+def resolve_model(
+    settings: BenchSettings,
+    progress: Callable[[str], None],
+    making: MadeInAChild | None = None,
+) -> str:
+    """The run's model directory: --model, or the made one, once `making` (or a
+    child started here when none was) has made it."""
     if settings.model is not None:
         path = Path(settings.model).expanduser()
         if not (path / "config.json").is_file():
             raise BenchError(f"--model {settings.model}: not a model directory (no config.json)")
         return str(path.resolve())
-    target = _made_model_dir(settings)
-    if model_to_make(settings):
-        progress(f"making the {settings.model_kind} model in {target} (once; reused next time)")
-        _make_model_in_a_child(settings.model_kind, target)
-    return str(target)
+    if making is None:
+        making = start_model(settings, progress)
+    if making is not None:
+        making.finish()
+    return str(_made_model_dir(settings))
 
 
 def _architecture(settings: BenchSettings) -> str | None:
@@ -104,23 +123,42 @@ def _architecture(settings: BenchSettings) -> str | None:
     return ARCHITECTURES.get(settings.model_kind)
 
 
-def _make_model_in_a_child(kind: str, target: Path) -> None:
+def model_command(kind: str, target: Path) -> list[str]:
+    return [sys.executable, "-m", "vllm_graph_sleep.testing.models", kind, str(target)]
+
+
+class MadeInAChild:
     """Makes the model in another process: a large kind is drawn on the GPU,
     and the bench's own process must leave the GPU idle (no context, nothing
-    cached) for the baselines it measures."""
-    made = subprocess.run(
-        [sys.executable, "-m", "vllm_graph_sleep.testing.models", kind, str(target)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        errors="replace",
-    )
-    if made.returncode != 0:
-        lines = (made.stderr or made.stdout).strip().splitlines()
-        raise BenchError(
-            f"making the {kind} model failed (exit {made.returncode}): "
-            + (lines[-1] if lines else "no output")
+    cached) for the baselines it measures. A kind made on the CPU is made with
+    CUDA hidden (NO_GPU), so it can be made while the floor is measured. The
+    child's output goes to a file, which it cannot fill up as it could a pipe
+    nobody reads while the floor is measured."""
+
+    def __init__(self, kind: str, target: Path):
+        self.kind = kind
+        self._output = tempfile.TemporaryFile()
+        env = {**os.environ, **NO_GPU} if made_on_the_cpu(kind) else None
+        self._process = subprocess.Popen(
+            model_command(kind, target),
+            stdin=subprocess.DEVNULL,
+            stdout=self._output,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
+
+    def finish(self) -> None:
+        """Waits for the model; BenchError with the child's last line if it failed."""
+        code = self._process.wait()
+        self._output.seek(0)
+        text = self._output.read().decode(errors="replace")
+        self._output.close()
+        if code != 0:
+            lines = text.strip().splitlines()
+            raise BenchError(
+                f"making the {self.kind} model failed (exit {code}): "
+                + (lines[-1] if lines else "no output")
+            )
 
 
 def _version(package: str) -> str | None:
@@ -148,11 +186,9 @@ def host_info(memory: MemorySource) -> dict[str, Any]:
 def switches_set(environ: dict[str, str]) -> dict[str, str]:
     """This plugin's environment switches that the servers inherit (they change
     what "ours" measures, e.g. coded weight backups): recorded with the results."""
-    # Imported here: the allocator brings torch, which the bench's own process
-    # otherwise loads only for the floor.
-    from vllm_graph_sleep.allocator import HOST_BUFFERS_ENV, SWITCH_ENVS
-
-    names = (*SWITCH_ENVS, HOST_BUFFERS_ENV)
+    # From the declarations, not the allocator, which would bring torch into the
+    # bench's own process (2-3.5 s of imports; its children load torch themselves).
+    names = (*switches.WORKER_YES_NO, switches.HOST_BUFFERS.name)
     return {name: environ[name] for name in names if name in environ}
 
 
@@ -188,14 +224,19 @@ def run(
     progress(f"results go to {out}")
     making = model_to_make(settings)
     progress(estimate.describe(settings, making))
-    # The floor first, while nothing of the bench's holds the GPU; then vLLM's
-    # model-info cache is warmed while the model is made (bench/model_info.py).
+    # vLLM's model-info cache is warmed (bench/model_info.py) and a model made
+    # on the CPU is made while the floor is measured: neither child can reach a
+    # GPU (NO_GPU), so nothing of the bench's holds one then. A large kind is
+    # drawn on the GPU, after the floor.
+    warming = model_info.start(_architecture(settings), server_env(env))
+    early = None
+    if making and made_on_the_cpu(settings.model_kind):
+        early = start_model(settings, progress)
     measured_floor = None
     if settings.floor:
         progress(f"measuring the floor: {floor.WHAT}")
         measured_floor = floor.measure(memory, server_env(env))
-    warming = model_info.start(_architecture(settings), server_env(env))
-    model = resolve_model(settings, progress)
+    model = resolve_model(settings, progress, early)
     warmed = model_info.finish(warming)
     progress(f"vLLM's model-info cache warmed: {warmed}")
     results: dict[str, Any] = {

@@ -9,12 +9,17 @@ vllm/compilation/caching.py's aot_compile_hash_factors). Verified against vLLM
 Why: vLLM 0.26 hashes all of additional_config, where our flag lives (patch
 vllm.engine.arg_utils), so turning graph offload on changed the cache key and a
 server with the flag compiled afresh what a server without it had compiled
-already, for code that does not depend on the flag. The hash is taken here as
-without the flag (config.hashed_as says why that is safe); the config itself,
-as the engine core and the workers receive it, keeps the flag.
+already, for code that does not depend on the flag. It hashes
+ModelConfig.sleep_mode_backend too, which the worker sets to ours before the
+model is compiled (patch vllm.v1.worker.gpu_worker): on an H200 the two
+servers' compile caches differed in their config hash alone. The hash is taken
+here as without the flag and as with vLLM's default backend where the field
+names ours (config.hashed_as says why that is safe); the config itself, as the
+engine core and the workers receive it, keeps both.
 
 Remove when: the flag leaves additional_config (with patch vllm.engine.arg_utils,
-vLLM 0.33+), if vLLM's own field for it stays out of the hash.
+vLLM 0.33+), if vLLM's own field for it and the backend field stay out of the
+hash.
 """
 
 from __future__ import annotations

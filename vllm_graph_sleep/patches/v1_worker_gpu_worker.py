@@ -169,6 +169,8 @@ def _wrap_init_device(original):
         result = original(self, *args, **kwargs)
         if gate.active:
             orphan_leftovers(GraphSleepAllocator.get_instance(settings))
+            # vLLM hashes this field into its compile-cache keys; the hash
+            # takes it as stock's (config.hashed_as, patch vllm.config.vllm).
             self.vllm_config.model_config.sleep_mode_backend = config.BACKEND_NAME
             route_graph_capture_to_pool()
             logger.info("graph-sleep: CUDA/HIP graphs are captured into the cudagraph pool")
