@@ -68,8 +68,8 @@ current_stream                no      the probe thread's current stream, keyed a
 vllm_aux_stream               no      vLLM's aux stream (vllm.utils.torch_utils._aux_stream,
                                       made for MoE shared-expert overlap), keyed as above; None
                                       where it was not made
-host_backup_copied            no      host memory, not this GPU's: bytes the last sleep copied to its
-                                      host backups (our allocator's bookkeeping); 0 in stock
+host_backup_copied            no      host memory, not this GPU's: bytes the last sleep copied to
+                                      its host backups (our allocator's bookkeeping); 0 in stock
 host_backup_kept              no      host memory too: bytes of backups the last sleep kept from the
                                       sleep before, their fingerprints unchanged since (issue 38)
 attributed                    -       the sum of the summed fields that are known
