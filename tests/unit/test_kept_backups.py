@@ -57,6 +57,7 @@ def test_a_sleep_after_a_wake_copies_nothing_that_did_not_change(layers, caplog)
     for _ in range(3):
         manager.wake_up()
         check_exact(driver, addresses, expected)
+        caplog.clear()
         with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
             manager.sleep(offload_tags=("weights",))
         assert manager.last_backup().copied == {"weights": 0}
@@ -64,7 +65,6 @@ def test_a_sleep_after_a_wake_copies_nothing_that_did_not_change(layers, caplog)
         assert manager.host_bytes() == host  # the host memory held is what it was
         (line,) = [r.getMessage() for r in caplog.records if "graph-sleep sleep" in r.getMessage()]
         assert "(copied 0 B, kept 16.00 MiB unchanged)" in line, line
-        caplog.clear()
     manager.wake_up()
     check_exact(driver, addresses, expected)
 
