@@ -318,9 +318,10 @@ class GraphSleepAllocator:
         in the graph pool (see WorkspaceKeeper.create_in_graph_pool)."""
         self._workspaces.create_in_graph_pool(side_streams)
 
-    def prepare_backup_coding(self, device: torch.device) -> None:
-        """Compiles and checks the weight-backup coder on `device` now, if backups are coded."""
-        self._backups.prepare_coding(device)
+    def prepare_backup_kernels(self, device: torch.device) -> None:
+        """Compiles on `device` now the kernels a sleep launches (the backup
+        fingerprints', the coder's), those the switches turn on."""
+        self._backups.prepare_kernels(device)
 
     def claim_graph_pool(self) -> None:
         """Tags everything in the graph pool "cudagraph", whatever tag was current

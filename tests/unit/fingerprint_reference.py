@@ -26,7 +26,7 @@ def fingerprints(data: torch.Tensor) -> torch.Tensor:
     words = data.contiguous().numpy().view(np.uint64)
     per_block = fp.BLOCK_BYTES // fp.WORD_BYTES
     count = fp.blocks(data.numel())
-    positions = np.arange(words.size, dtype=np.uint64)
+    positions = np.arange(words.size, dtype=np.uint64) % np.uint64(per_block)  # within the block
     out = np.zeros((count, fp.LANES), dtype=np.uint64)
     for lane in range(fp.LANES):
         keys = positions * np.uint64(fp.KEY_MULTIPLIERS[lane]) + np.uint64(fp.KEY_OFFSETS[lane])

@@ -205,7 +205,7 @@ def test_a_coder_that_fails_its_first_use_leaves_every_backup_raw(monkeypatch, c
 
 @pytest.mark.usefixtures("first_use")
 def test_the_coder_is_compiled_and_checked_at_warm_up_not_at_the_first_sleep(monkeypatch, caplog):
-    # The worker's warm-up calls prepare_backup_coding before vLLM turns its JIT
+    # The worker's warm-up calls prepare_backup_kernels before vLLM turns its JIT
     # monitor on; the sleep then codes without trying the sample again.
     from vllm_graph_sleep.patches import v1_worker_gpu_worker
 
@@ -238,7 +238,7 @@ def test_the_coder_is_compiled_and_checked_at_warm_up_not_at_the_first_sleep(mon
     assert counted == [coded_backup.SAMPLE_WORDS] + [coded_backup.PIECE_BYTES // 2] * 2
     assert all(piece.coded is not None for piece in manager.allocations[weights].coded.pieces)
     raw_manager = make(compress_backups=False)[1]
-    raw_manager.prepare_backup_coding(torch.device("cpu"))  # nothing to prepare
+    raw_manager.prepare_backup_kernels(torch.device("cpu"))  # nothing to prepare
     assert len(counted) == 3
 
 

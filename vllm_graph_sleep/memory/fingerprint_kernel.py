@@ -1,5 +1,8 @@
 """The Triton kernel that takes memory.fingerprints' fingerprints on the GPU:
-one program per block, reading it once, in steps of _STEP words."""
+one program per block, reading it once, in steps of _STEP words. A launch
+covers at most _CHUNK_WORDS words, so that every size is an int32 and the
+kernel that warm-up compiled is the only one (Triton passes an integer of
+2**31 or more as i64 whatever do_not_specialize says, a second variant)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import triton.language as tl
 from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES, LANES, WORD_BYTES, blocks
 
 _STEP = 2048
+_CHUNK_WORDS = 1 << 30  # 8 GiB, a whole number of blocks
 
 
 @triton.jit
@@ -32,7 +36,7 @@ def fingerprint_kernel(words, out, num_words, BLOCK_WORDS: tl.constexpr, STEP: t
         index = first + step + tl.arange(0, STEP).to(tl.int64)
         inside = index < num_words
         word = tl.load(words + index, mask=inside, other=0).to(tl.uint64, bitcast=True)
-        position = index.to(tl.uint64)
+        position = (step + tl.arange(0, STEP)).to(tl.uint64)  # within the block
         term0 = _mix(word ^ (position * 0x9E3779B97F4A7C15 + 0x243F6A8885A308D3))
         term1 = _mix(word ^ (position * 0xD1B54A32D192ED03 + 0x13198A2E03707344))
         lane0 += tl.where(inside, term0, 0)
@@ -55,6 +59,10 @@ def fingerprint(data: torch.Tensor, out: torch.Tensor) -> None:
     if count == 0:
         return
     words = data.view(torch.int64)
-    fingerprint_kernel[(count,)](
-        words, out, words.numel(), BLOCK_WORDS=BLOCK_BYTES // WORD_BYTES, STEP=_STEP, num_warps=8
-    )
+    per_block = BLOCK_BYTES // WORD_BYTES
+    for first in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[first : first + _CHUNK_WORDS]
+        rows = out[first // per_block :]
+        fingerprint_kernel[(blocks(chunk.numel() * WORD_BYTES),)](
+            chunk, rows, chunk.numel(), BLOCK_WORDS=per_block, STEP=_STEP, num_warps=8
+        )

@@ -2,15 +2,16 @@
 bandwidth: a sleep compares them with those of the host backup it kept, and
 copies only the blocks that changed (issue 38).
 
-A block's fingerprint is two 64-bit lanes. Word i (8 bytes, counted from the
-start of the range) with value w adds mix(w ^ key_k(i)) to lane k, modulo
-2**64, where key_k(i) = i * M_k + S_k and mix is SplitMix64's finalizer
+A block's fingerprint is two 64-bit lanes. Word i of the block (8 bytes, its
+position within the block) with value w adds mix(w ^ key_k(i)) to lane k,
+modulo 2**64, where key_k(i) = i * M_k + S_k and mix is SplitMix64's finalizer
 (Stafford's variant 13, a bijection of 64-bit words with full avalanche). So:
 - a change to one word (any flipped bit of any byte, in a NaN payload or in
   data that is not bf16 at all) changes both lanes, always: for a fixed key,
   XOR and mix are bijections, so the word's term cannot stay the same;
-- words that move (two swapped, a shifted range) change their keys, and so
-  their terms;
+- words that move within a block (two swapped, a shifted range) change their
+  keys, and so their terms; a word that moves to another block changes both
+  blocks, and each block is only ever compared with its own earlier fingerprint;
 - several words that change together go unnoticed only if their term changes
   cancel in both lanes at once, which for terms this well mixed happens about
   once in 2**128.

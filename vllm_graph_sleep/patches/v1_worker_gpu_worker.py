@@ -15,9 +15,9 @@ gate is on in this worker, this patch
   set_graph_pool_id while capturing) at our "cudagraph" pool;
 - tags what compile_or_warm_up_model captures as "cudagraph", with torch's
   expandable segments off (they and a pluggable-allocator pool do not mix),
-  and compiles the weight-backup coder before it (GraphSleepAllocator.
-  prepare_backup_coding), so that neither the first sleep nor vLLM's JIT
-  monitor sees Triton compile;
+  and compiles the backup kernels before it (the fingerprints and the coder:
+  GraphSleepAllocator.prepare_backup_kernels), so that neither the first
+  sleep nor vLLM's JIT monitor sees Triton compile;
 - turns the "kv_cache" pool that initialize_from_config opens around
   initialize_kv_cache into a "runtime" pool, backed up at every level: the
   attention metadata, block tables and graph input buffers built there must
@@ -185,7 +185,7 @@ def _wrap_compile_or_warm_up_model(original):
             return original(self, *args, **kwargs)
         allocator = GraphSleepAllocator.get_instance()
         # Before the original, which turns vLLM's JIT monitor on when it is done.
-        allocator.prepare_backup_coding(self.device)
+        allocator.prepare_backup_kernels(self.device)
         with allocator.allocation_tag(GRAPH_TAG), expandable_segments_off():
             return original(self, *args, **kwargs)
 

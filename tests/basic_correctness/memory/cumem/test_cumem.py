@@ -1029,7 +1029,7 @@ def test_a_count_that_disagrees_with_the_encoder_is_kept_raw(monkeypatch, caplog
 
     alloc = manager()
     alloc.compress_backups = True
-    alloc.prepare_backup_coding(torch.device("cuda", torch.cuda.current_device()))
+    alloc.prepare_backup_kernels(torch.device("cuda", torch.cuda.current_device()))
     real_count_lanes = exponent_codec.count_lanes
 
     def count_wrong(words, lengths, lane_bits):
@@ -1082,7 +1082,7 @@ def test_a_coded_wake_fits_in_exactly_what_the_sleep_freed(monkeypatch):
     monkeypatch.setenv(SETTLE_AFTER_SLEEP_ENV, "0")
     alloc = manager()
     alloc.compress_backups = True
-    alloc.prepare_backup_coding(torch.device("cuda", torch.cuda.current_device()))
+    alloc.prepare_backup_kernels(torch.device("cuda", torch.cuda.current_device()))
     generator = torch.Generator("cuda").manual_seed(3)
     source = (torch.randn(512 * MIB, generator=generator, device="cuda") * 0.02).to(torch.bfloat16)
     with alloc.use_memory_pool("weights"):
@@ -1124,7 +1124,7 @@ def test_a_weight_allocation_of_4_gib_is_coded_without_compiling_after_the_warm_
     alloc = manager()
     alloc.compress_backups = True
     device = torch.cuda.current_device()
-    alloc.prepare_backup_coding(torch.device("cuda", device))  # the worker's warm-up
+    alloc.prepare_backup_kernels(torch.device("cuda", device))  # the worker's warm-up
     kernels = {
         name: getattr(exponent_codec, name)
         for name in ("_histogram_kernel", "_count_kernel", "_encode_kernel", "_decode_kernel")
