@@ -1,7 +1,8 @@
 """The fingerprints a sleep compares to keep unchanged backup blocks (issue
 38): any flipped bit of any byte changes its block's fingerprint and no
 other's, whatever the bytes hold (bf16 NaN payloads, fp8, integers); moved
-words change it; the Triton kernel, launched in chunks of whole blocks, gives the numpy reference's numbers."""
+words change it; the Triton kernel, launched in chunks of whole blocks,
+gives the numpy reference's numbers."""
 
 from __future__ import annotations
 
