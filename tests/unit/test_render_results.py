@@ -59,7 +59,7 @@ def test_renders_the_key_figures_into_a_folder(tmp_path):
 
     # The bench's own tables: the labels `vllm-graph-sleep bench` prints.
     lines = index.splitlines()
-    for name in ("bench-h200-run9.json", "bench-h200-run11.json"):
+    for name in ("bench-h200-run18.json", "bench-h200-run11.json"):
         run = _load(name)
         for key in ("1", "2"):
             label = f"asleep L{key}, over idle GPU (MiB)"
@@ -148,7 +148,7 @@ def test_other_benchmarks_and_unknown_files(tmp_path):
 
 
 def test_a_bench_runs_floor_is_rendered_with_its_table(tmp_path):
-    run = _load("bench-h200-run9.json")
+    run = _load("bench-h200-run18.json")
     run["floor"] = {
         "what": "a bare CUDA context with a cuBLAS handle, stack reservation released",
         "baseline_used_bytes": [615 * 2**20],
@@ -162,7 +162,7 @@ def test_a_bench_runs_floor_is_rendered_with_its_table(tmp_path):
 
 
 def test_a_bench_runs_switches_are_rendered_with_it(tmp_path):
-    run = _load("bench-h200-run9.json")
+    run = _load("bench-h200-run18.json")
     run["switches"] = {"VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "1"}
     (tmp_path / "bench-switches.json").write_text(json.dumps(run))
     assert render_results.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0
@@ -238,7 +238,8 @@ def test_readmes_table_is_the_rendering_of_the_run_it_names():
 
 def test_readmes_table_moves_to_another_run_and_refuses_one_no_page_names(tmp_path):
     readme = _readme()
-    for name in ("bench-h200-run9.json", "bench-h200-run11.json"):
+    # Run 9 (archived now): another run than the one README names.
+    for name in ("archive/bench-h200-run9.json", "bench-h200-run11.json"):
         shutil.copy(RESULTS / name, tmp_path)
     (tmp_path / "run9.md").write_text("# Run 9\n\nbench-h200-run9.json\n")
     moved = render_results.readme_block(
@@ -246,7 +247,7 @@ def test_readmes_table_moves_to_another_run_and_refuses_one_no_page_names(tmp_pa
     )
     assert "<!-- results table: docs/results/bench-h200-run9.json code=32c9c8a -->" in moved
     assert "code `32c9c8a`" in moved and "page: [run9.md](docs/results/run9.md)" in moved
-    run9 = _load("bench-h200-run9.json")["summary"]["ours"]
+    run9 = _load("archive/bench-h200-run9.json")["summary"]["ours"]
     assert f"| level-1 wake (ms) | {run9['wake_ms']['1 full']:.0f} (" in moved
     # Rendering again from its own marker gives the same text.
     assert render_results.readme_block(moved, tmp_path, None, None) == moved
@@ -260,7 +261,7 @@ def test_readmes_table_moves_to_another_run_and_refuses_one_no_page_names(tmp_pa
     with pytest.raises(ValueError, match="has no"):
         render_results.readme_block("# no table\n", tmp_path, None, None)
     # A run that records its commit and duration is named by them.
-    run9 = {**_load("bench-h200-run9.json"), "duration_s": 213.4}
+    run9 = {**_load("archive/bench-h200-run9.json"), "duration_s": 213.4}
     run9["host"] = {**run9["host"], "git_revision": "0123abc"}
     (tmp_path / "bench-h200-run9.json").write_text(json.dumps(run9))
     named = render_results.readme_block(readme, tmp_path, "docs/results/bench-h200-run9.json", None)
