@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import os
 import subprocess
 import sys
 import tempfile
@@ -85,30 +84,36 @@ def model_to_make(settings: BenchSettings) -> bool:
     )
 
 
-def start_model(settings: BenchSettings, progress: Callable[[str], None]) -> MadeInAChild | None:
-    """Starts making the run's model in a child process; None when there is
-    nothing to make (--model, or one cached already)."""
+def start_model(
+    settings: BenchSettings,
+    progress: Callable[[str], None],
+    env: dict[str, str] | None = None,
+) -> MadeInAChild | None:
+    """Starts making the run's model in a child process with `env` (None:
+    this process's); None when there is nothing to make (--model, or one
+    cached already)."""
     if not model_to_make(settings):
         return None
     target = _made_model_dir(settings)
     progress(f"making the {settings.model_kind} model in {target} (once; reused next time)")
-    return MadeInAChild(settings.model_kind, target)
+    return MadeInAChild(settings.model_kind, target, env)
 
 
 def resolve_model(
     settings: BenchSettings,
     progress: Callable[[str], None],
     making: MadeInAChild | None = None,
+    env: dict[str, str] | None = None,
 ) -> str:
     """The run's model directory: --model, or the made one, once `making` (or a
-    child started here when none was) has made it."""
+    child started here with `env`, when none was) has made it."""
     if settings.model is not None:
         path = Path(settings.model).expanduser()
         if not (path / "config.json").is_file():
             raise BenchError(f"--model {settings.model}: not a model directory (no config.json)")
         return str(path.resolve())
     if making is None:
-        making = start_model(settings, progress)
+        making = start_model(settings, progress, env)
     if making is not None:
         making.finish()
     return str(_made_model_dir(settings))
@@ -133,12 +138,14 @@ class MadeInAChild:
     cached) for the baselines it measures. A kind made on the CPU is made with
     CUDA hidden (NO_GPU), so it can be made while the floor is measured. The
     child's output goes to a file, which it cannot fill up as it could a pipe
-    nobody reads while the floor is measured."""
+    nobody reads while the floor is measured. `env`: the run's environment
+    (None: this process's, for a caller that measures nothing meanwhile)."""
 
-    def __init__(self, kind: str, target: Path):
+    def __init__(self, kind: str, target: Path, env: dict[str, str] | None = None):
         self.kind = kind
         self._output = tempfile.TemporaryFile()
-        env = {**os.environ, **NO_GPU} if made_on_the_cpu(kind) else None
+        if env is not None and made_on_the_cpu(kind):
+            env = {**env, **NO_GPU}
         self._process = subprocess.Popen(
             model_command(kind, target),
             stdin=subprocess.DEVNULL,
@@ -231,12 +238,12 @@ def run(
     warming = model_info.start(_architecture(settings), server_env(env))
     early = None
     if making and made_on_the_cpu(settings.model_kind):
-        early = start_model(settings, progress)
+        early = start_model(settings, progress, env)
     measured_floor = None
     if settings.floor:
         progress(f"measuring the floor: {floor.WHAT}")
         measured_floor = floor.measure(memory, server_env(env))
-    model = resolve_model(settings, progress, early)
+    model = resolve_model(settings, progress, early, env)
     warmed = model_info.finish(warming)
     progress(f"vLLM's model-info cache warmed: {warmed}")
     results: dict[str, Any] = {
