@@ -6,6 +6,7 @@ of an allocation lives on its record."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -132,20 +133,15 @@ def _changed_blocks(
     first = 0
     for device_range, host_range in pairs:
         count = blocks_of.blocks(device_range.numel())
-        flags = differs[first : first + count]
+        for changed, run in itertools.groupby(
+            range(count), key=differs[first : first + count].__getitem__
+        ):
+            if changed:
+                run = list(run)
+                lo = run[0] * blocks_of.BLOCK_BYTES
+                hi = min((run[-1] + 1) * blocks_of.BLOCK_BYTES, device_range.numel())
+                spans.append((device_range[lo:hi], host_range[lo:hi]))
         first += count
-        block = 0
-        while block < count:
-            if not flags[block]:
-                block += 1
-                continue
-            end = block
-            while end < count and flags[end]:
-                end += 1
-            lo = block * blocks_of.BLOCK_BYTES
-            hi = min(end * blocks_of.BLOCK_BYTES, device_range.numel())
-            spans.append((device_range[lo:hi], host_range[lo:hi]))
-            block = end
     return spans
 
 
@@ -330,26 +326,19 @@ class Backups:
                 by_device.setdefault(pairs[0][0].device, []).append(allocation)
         result: dict[int, torch.Tensor] = {}
         for device, on_device in by_device.items():
-            counts = [
-                [blocks_of.blocks(device_range.numel()) for device_range, _ in pairs_of[a.address]]
-                for a in on_device
-            ]
-            out = torch.empty(
-                (sum(map(sum, counts)), blocks_of.LANES), dtype=torch.int64, device=device
-            )
-            at = 0
-            for allocation, per_pair in zip(on_device, counts, strict=True):
-                for (device_range, _), n in zip(
-                    pairs_of[allocation.address], per_pair, strict=True
-                ):
-                    self._driver.fingerprint(device_range, out[at : at + n])
-                    at += n
+            ranges = [device_range for a in on_device for device_range, _ in pairs_of[a.address]]
+            counts = [blocks_of.blocks(device_range.numel()) for device_range in ranges]
+            out = torch.empty((sum(counts), blocks_of.LANES), dtype=torch.int64, device=device)
+            for device_range, rows in zip(ranges, out.split(counts), strict=True):
+                self._driver.fingerprint(device_range, rows)
             host = out.cpu()
             del out
-            at = 0
-            for allocation, per_pair in zip(on_device, counts, strict=True):
-                result[allocation.address] = host[at : at + sum(per_pair)].clone()
-                at += sum(per_pair)
+            per_allocation = [
+                sum(blocks_of.blocks(d.numel()) for d, _ in pairs_of[a.address]) for a in on_device
+            ]
+            result.update(
+                zip((a.address for a in on_device), host.split(per_allocation), strict=True)
+            )
         return result
 
     def device_bytes(self, allocation: Allocation) -> torch.Tensor:
