@@ -135,6 +135,7 @@ def run_mode(total_bytes: int, repeats: int) -> dict[str, Any]:
     wake()
     seconds: dict[str, list[float]] = {"changed": [], "unchanged": [], "quarter": [], "plain": []}
     copied: dict[str, int] = {}
+    sleep_lines: dict[str, str | None] = {}
     for _ in range(repeats):
         seconds["plain"].append(plain())
         for case, count in (("changed", TENSORS), ("unchanged", 0), ("quarter", TENSORS // 4)):
@@ -142,17 +143,15 @@ def run_mode(total_bytes: int, repeats: int) -> dict[str, Any]:
             lines.sleeps.clear()
             seconds[case].append(sleep())
             copied[case] = sum(alloc.last_backup().copied.values())
-            copied[case + "_line"] = lines.sleeps[-1] if lines.sleeps else None
+            sleep_lines[case] = lines.sleeps[-1] if lines.sleeps else None
             wake()
     return {
         "bytes": total_bytes,
         "first_sleep_s": first,
         "median_s": {case: statistics.median(values) for case, values in seconds.items()},
         "all_s": seconds,
-        "copied_bytes": {k: v for k, v in copied.items() if not k.endswith("_line")},
-        "last_sleep_lines": {
-            k[: -len("_line")]: v for k, v in copied.items() if k.endswith("_line")
-        },
+        "copied_bytes": copied,
+        "last_sleep_lines": sleep_lines,
         "coded": alloc.compress_backups,
         "kept": alloc.keeps_unchanged_backups,
         "exact": exact,
