@@ -141,6 +141,19 @@ class VmmDriver:
             if block["state"] != "inactive"
         }
 
+    def block_offsets(self, addresses: set[int]) -> dict[int, list[int]]:
+        """For each of our segments at `addresses`, the offsets of the blocks
+        torch has allocated there."""
+        return {
+            segment["address"]: [
+                block["address"] - segment["address"]
+                for block in segment["blocks"]
+                if block["state"] != "inactive"
+            ]
+            for segment in torch.cuda.memory_snapshot()
+            if segment["address"] in addresses
+        }
+
     def torch_segments(self) -> list[tuple[int, int, int]]:
         """(address, stream, bytes in use) of every segment torch's allocator holds."""
         return [

@@ -18,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
+from collections.abc import Iterable
 
 import torch
 
 from vllm_graph_sleep import exponent_codec
 from vllm_graph_sleep.exponent_codec import Encoded, Table
+from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES
 
 logger = logging.getLogger("vllm.graph_sleep")
 
@@ -55,6 +58,20 @@ class CodedBackup:
         """The table's decoder, in host memory: made once, at the sleep that
         codes a piece with it (a backup left all raw never needs it)."""
         return self.table.decoder_tensor(torch.device("cpu"))
+
+    def pieces_touching(self, spans: list[tuple[int, int, int]]) -> list[int]:
+        """Indices of the pieces that overlap any (pair, start, end) span."""
+        return [
+            index
+            for index, piece in enumerate(self.pieces)
+            if any(
+                pair == piece.pair and lo < piece.offset + piece.size and piece.offset < hi
+                for pair, lo, hi in spans
+            )
+        ]
+
+    def bytes_of(self, indices: list[int]) -> int:
+        return sum(self.pieces[index].size for index in indices)
 
     @property
     def coded_bytes(self) -> int:
@@ -130,56 +147,81 @@ def _stream(stream: torch.cuda.Stream | None):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _split(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[_Piece]:
-    """An allocation's pieces, raw until coded."""
-    return [
-        _Piece(index, offset, size, None, host[offset : offset + size])
-        for index, (device, host) in enumerate(pairs)
-        for offset in range(0, device.numel(), PIECE_BYTES)
-        for size in (min(PIECE_BYTES, device.numel() - offset),)
-    ]
+def _split(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], cuts: Iterable[int] = ()
+) -> list[_Piece]:
+    """An allocation's pieces, raw until coded: at most PIECE_BYTES each, and,
+    in an allocation of one pair, cut at `cuts` too (the starts of the tensors
+    torch placed in it, rounded down to fingerprint blocks), so that a tensor
+    that changed alone is coded again alone (`recode`)."""
+    pieces = []
+    for index, (device, host) in enumerate(pairs):
+        size = device.numel()
+        starts = set(range(0, size, PIECE_BYTES))
+        if len(pairs) == 1:
+            starts.update(cut // BLOCK_BYTES * BLOCK_BYTES for cut in cuts if 0 < cut < size)
+        bounds = sorted(starts) + [size]
+        pieces += [
+            _Piece(index, lo, hi - lo, None, host[lo:hi]) for lo, hi in itertools.pairwise(bounds)
+        ]
+    return pieces
 
 
-def _histograms(
-    allocations: list[list[tuple[torch.Tensor, torch.Tensor]]], device: torch.device
-) -> list[list[list[int]]]:
-    """The exponent counts of every piece of every allocation: one pass over
-    the weights, one wait."""
-    piece_symbols = PIECE_BYTES // 2
-    sizes = [[-(-d.numel() // PIECE_BYTES) for d, _ in pairs] for pairs in allocations]
-    rows = torch.zeros(sum(map(sum, sizes)), 256, dtype=torch.int32, device=device)
+def _histograms(chunks: list[list[torch.Tensor]], device: torch.device) -> list[list[list[int]]]:
+    """The exponent counts of every piece (its device bytes) of every
+    allocation: one pass over the weights, one wait."""
+    rows = torch.zeros(sum(map(len, chunks)), 256, dtype=torch.int32, device=device)
     row = 0
-    for pairs, pieces in zip(allocations, sizes, strict=True):
-        for (chunk, _), count in zip(pairs, pieces, strict=True):
-            usable = chunk[: chunk.numel() // 2 * 2].view(torch.int16)
-            exponent_codec.add_piece_histograms(usable, piece_symbols, rows[row : row + count])
-            row += count
+    for chunk in itertools.chain.from_iterable(chunks):
+        usable = chunk[: chunk.numel() // 2 * 2].view(torch.int16)
+        # One row per piece: a piece is at most PIECE_BYTES.
+        exponent_codec.add_piece_histograms(usable, PIECE_BYTES // 2, rows[row : row + 1])
+        row += 1
     counts = rows.tolist()
     per_allocation, row = [], 0
-    for pieces in sizes:
-        per_allocation.append(counts[row : row + sum(pieces)])
-        row += sum(pieces)
+    for pieces in chunks:
+        per_allocation.append(counts[row : row + len(pieces)])
+        row += len(pieces)
     return per_allocation
 
 
+def _plans(
+    backup: CodedBackup,
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    number: int,
+    counts: list[list[int]],
+    indices: list[int],
+) -> list[_Plan]:
+    """The plans of the pieces numbered `indices` (their `counts`) worth coding
+    with `backup`'s table."""
+    plans = []
+    for index, piece_counts in zip(indices, counts, strict=True):
+        piece = backup.pieces[index]
+        if piece.size % 2:
+            continue
+        lanes = exponent_codec.lanes_for(piece.size // 2)
+        bound = exponent_codec.stream_words_bound(backup.table.coded_bits(piece_counts), lanes)
+        if 4 * (bound + 1 + lanes) + piece.size // 2 <= exponent_codec.WORTHWHILE * piece.size:
+            plans.append(_Plan(number, index, piece.on_device(pairs), piece.raw, lanes, bound))
+    return plans
+
+
 def _plan(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], number: int, counts: list[list[int]] | None
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    pieces: list[_Piece],
+    number: int,
+    counts: list[list[int]] | None,
 ) -> tuple[CodedBackup, list[_Plan]]:
     """The allocation's backup, every piece raw, with its table made from its
     counts, and the plans of the pieces worth coding."""
-    pieces = _split(pairs)
     histogram = [sum(column) for column in zip(*counts, strict=True)] if counts else [0] * 256
-    coding = any(histogram)
-    table = exponent_codec.build_table(histogram if coding else [1] + [0] * 255)
-    plans = []
-    for index, piece in enumerate(pieces):
-        if not coding or piece.size % 2:
-            continue
-        lanes = exponent_codec.lanes_for(piece.size // 2)
-        bound = exponent_codec.stream_words_bound(table.coded_bits(counts[index]), lanes)
-        if 4 * (bound + 1 + lanes) + piece.size // 2 <= exponent_codec.WORTHWHILE * piece.size:
-            plans.append(_Plan(number, index, piece.on_device(pairs), piece.raw, lanes, bound))
-    return CodedBackup(table, pieces), plans
+    if not any(histogram):
+        return CodedBackup(exponent_codec.build_table([1] + [0] * 255), pieces), []
+    # Every exponent gets a code, those that do not occur yet a long one: new
+    # weights loaded into some tensors (`recode`) often hold a rare exponent
+    # the old ones lacked (the tails of the distribution, values near zero).
+    backup = CodedBackup(exponent_codec.build_table([count or 1 for count in histogram]), pieces)
+    return backup, _plans(backup, pairs, number, counts, list(range(len(pieces))))
 
 
 # A table's row on the device: its codes, its lengths, its decoder.
@@ -218,15 +260,15 @@ class _Coder:
             for stream in [self._table_stream, self.copier] + [s.stream for s in self._slots]:
                 stream.wait_stream(current)
 
-    def add(self, backup: CodedBackup, plans: list[_Plan], pairs) -> None:
-        """Queues the coding of `plans` and the copies of `backup`'s other
-        pieces."""
+    def add(self, backup: CodedBackup, plans: list[_Plan], pairs, indices: Iterable[int]) -> None:
+        """Queues the coding of `plans` and the copies of the other pieces
+        numbered in `indices`."""
         number = len(self._backups)
         self._backups.append(backup)
         if plans:
             self._send_table(number, backup)
         with _stream(self.copier):
-            _copy_raw(backup, pairs, {plan.piece for plan in plans})
+            _copy_raw(backup, pairs, set(indices) - {plan.piece for plan in plans})
         for plan in plans:
             self._queue(plan)
 
@@ -320,26 +362,30 @@ class _Coder:
             piece.coded, piece.raw = Encoded(coded, *plan.host_views(total)), None
 
 
-def _copy_raw(backup: CodedBackup, pairs, skipped: frozenset[int] | set[int] = frozenset()) -> None:
-    """Queues the copies of `backup`'s pieces but those numbered in `skipped`."""
-    for index, piece in enumerate(backup.pieces):
-        if index not in skipped:
-            piece.raw.copy_(piece.on_device(pairs), non_blocking=True)
+def _copy_raw(backup: CodedBackup, pairs, indices: Iterable[int]) -> None:
+    """Queues the copies of `backup`'s pieces numbered in `indices`."""
+    for index in sorted(indices):
+        piece = backup.pieces[index]
+        piece.raw.copy_(piece.on_device(pairs), non_blocking=True)
 
 
-def back_up(allocations: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[CodedBackup]:
+def back_up(
+    allocations: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    cuts: list[Iterable[int]] | None = None,
+) -> list[CodedBackup]:
     """Copies every allocation's device ranges into its host ranges ((device,
     host) pairs, one list per allocation, all on one device), coded where that
     pays and the coded piece decodes back to its original, and waits for the
     copies. One code table per allocation (its weights share their shape of
     distribution), planned from one pass of exponent counts over all of them;
     then the pieces are coded, checked and copied out without a wait between
-    them. Coding needs device memory for its scratch (a few hundred MiB):
+    them. `cuts`: per allocation, where its tensors start (see `_split`).
+    Coding needs device memory for its scratch (a few hundred MiB):
     without it, everything is backed up raw, so that a sleep on a full GPU
     still frees it; so is everything in a process whose coder failed its
     first use (`prepare`)."""
     device = allocations[0][0][0].device
-    return _code(allocations, device, coding=prepare(device))
+    return _code(allocations, device, coding=prepare(device), cuts=cuts)
 
 
 def _code(
@@ -347,14 +393,21 @@ def _code(
     device: torch.device,
     coding: bool,
     fall_back: bool = True,
+    cuts: list[Iterable[int]] | None = None,
 ) -> list[CodedBackup]:
     """`back_up`, coding unless told not to; without device memory for the
     coder, everything raw if `fall_back`, else the error raised."""
+    cuts = cuts if cuts is not None else [()] * len(allocations)
+    pieces = [_split(pairs, own) for pairs, own in zip(allocations, cuts, strict=True)]
     coder = counts = None
     if coding:
         try:
-            counts = _histograms(allocations, device)
-            largest = max(min(d.numel(), PIECE_BYTES) for pairs in allocations for d, _ in pairs)
+            chunks = [
+                [p.on_device(pairs) for p in own]
+                for pairs, own in zip(allocations, pieces, strict=True)
+            ]
+            counts = _histograms(chunks, device)
+            largest = max(piece.size for own in pieces for piece in own)
             coder = _Coder(device, len(allocations), sum(map(len, counts)), largest // 2)
         except torch.OutOfMemoryError as error:
             if not fall_back:
@@ -362,18 +415,52 @@ def _code(
             _short_of_memory(error)
             coder = None
     backups = []
-    for number, pairs in enumerate(allocations):
-        backup, plans = _plan(pairs, number, None if coder is None else counts[number])
+    for number, (pairs, own) in enumerate(zip(allocations, pieces, strict=True)):
+        backup, plans = _plan(pairs, own, number, None if coder is None else counts[number])
         backups.append(backup)
         if coder is not None:
-            coder.add(backup, plans, pairs)
+            coder.add(backup, plans, pairs, range(len(own)))
             continue
-        _copy_raw(backup, pairs)
+        _copy_raw(backup, pairs, range(len(own)))
     if coder is not None:
         coder.finish()
     elif device.type == "cuda":
         torch.cuda.synchronize(device)
     return backups
+
+
+def recode(
+    items: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]], list[int]]],
+) -> bool:
+    """Backs up again the pieces numbered in each item (backup, its pairs,
+    piece indices), coded with the backup's own table where that pays (its
+    table has a code for every exponent), leaving its other pieces as the
+    host holds them, and waits for the copies. False, with nothing written,
+    when the coder cannot run or has no room: the caller backs the items up
+    again whole (`back_up`)."""
+    device = items[0][1][0][0].device
+    if not prepare(device):
+        return False
+    try:
+        chunks = [
+            [backup.pieces[index].on_device(pairs) for index in indices]
+            for backup, pairs, indices in items
+        ]
+        counts = _histograms(chunks, device)
+        largest = max(c.numel() for c in itertools.chain.from_iterable(chunks))
+        coder = _Coder(device, len(items), sum(map(len, chunks)), largest // 2)
+    except torch.OutOfMemoryError as error:
+        _short_of_memory(error)
+        return False
+    for number, (item, item_counts) in enumerate(zip(items, counts, strict=True)):
+        backup, pairs, indices = item
+        for index in indices:  # raw until coded again: what a fault leaves
+            piece = backup.pieces[index]
+            piece.coded = None
+            piece.raw = pairs[piece.pair][1][piece.offset : piece.offset + piece.size]
+        coder.add(backup, _plans(backup, pairs, number, item_counts, indices), pairs, indices)
+    coder.finish()
+    return True
 
 
 # Words of the sample a first use codes: one lane program's worth and more.

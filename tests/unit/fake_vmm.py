@@ -188,6 +188,19 @@ class FakeVmmDriver:
             if block["state"] != "inactive"
         }
 
+    def block_offsets(self, addresses: set[int]) -> dict[int, list[int]]:
+        """Offsets of the allocated blocks of our segments at `addresses`: one
+        block per segment unless a test placed more (`blocks`)."""
+        return {
+            address: [
+                offset
+                for offset, _, state in self.blocks.get(address, [(0, 0, "active_allocated")])
+                if state != "inactive"
+            ]
+            for address in addresses
+            if address in self.memory
+        }
+
     def torch_segments(self) -> list[tuple[int, int, int]]:
         """(address, stream, bytes in use) of torch's segments: ours, then torch's own."""
         ours = [

@@ -318,15 +318,18 @@ def test_switching_coding_on_without_triton_fails_at_start_with_the_reason(monke
         make()
 
 
-def test_an_unchanged_coded_backup_is_kept_and_a_changed_one_coded_again():
-    """Issue 38: a coded backup is kept whole while its fingerprints match,
-    and coded again whole (its code table spans the allocation) when one
-    byte changed; both come back exact."""
+def test_an_unchanged_coded_backup_is_kept_and_a_changed_piece_coded_again_alone():
+    """Issue 38: a coded backup is kept while its fingerprints match; when one
+    byte changed, the piece that holds it is coded again with the
+    allocation's table and the other piece stays as the host holds it; both
+    come back exact."""
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
     driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=4))
     manager.sleep(offload_tags=("weights",))
     first = manager.allocations[weights].coded
+    untouched, changing = first.pieces
+    untouched_coded, changing_coded = untouched.coded, changing.coded
     manager.wake_up()
     manager.sleep(offload_tags=("weights",))
     assert manager.last_backup().copied == {"weights": 0}
@@ -335,8 +338,109 @@ def test_an_unchanged_coded_backup_is_kept_and_a_changed_one_coded_again():
     driver.memory[weights][SIZE - 3] ^= 0x01
     expected = driver.memory[weights].clone()
     manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": SIZE // 2}
+    assert manager.last_backup().kept == {"weights": SIZE // 2}
+    assert manager.allocations[weights].coded is first
+    assert untouched.coded is untouched_coded
+    assert changing.coded is not None and changing.coded is not changing_coded
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_coded_backup_is_cut_where_torch_placed_its_tensors(monkeypatch):
+    """The RL loop of issue 38 on one allocation that holds three tensors:
+    pieces start at each tensor (rounded down to a fingerprint block), so new
+    weights for the last tensor code that piece again, not the allocation."""
+    monkeypatch.setattr(coded_backup, "PIECE_BYTES", 4 * MIB)
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", 2 * SIZE)
+    # Tensors at 0, 1.5 MiB and 3 MiB: pieces [0, 1), [1, 3) and [3, 4) MiB.
+    driver.blocks[weights] = [
+        (0, 3 * MIB // 2, "active_allocated"),
+        (3 * MIB // 2, 3 * MIB // 2, "active_allocated"),
+        (3 * MIB, MIB, "active_allocated"),
+    ]
+    driver.memory[weights].copy_(bf16_weights(SIZE, seed=8))
+    manager.sleep(offload_tags=("weights",))
+    coded = manager.allocations[weights].coded
+    assert [(p.offset, p.size) for p in coded.pieces] == [(0, MIB), (MIB, 2 * MIB), (3 * MIB, MIB)]
+    assert all(piece.coded is not None for piece in coded.pieces)
+    for step in range(2):
+        manager.wake_up(["weights"])
+        driver.memory[weights][3 * MIB :].copy_(bf16_weights(MIB // 2, seed=20 + step))
+        manager.wake_up(["kv_cache"])
+        expected = driver.memory[weights].clone()
+        manager.sleep(offload_tags=("weights",))
+        assert manager.last_backup().copied == {"weights": MIB}, step
+        assert all(piece.coded is not None for piece in coded.pieces)
+        manager.wake_up()
+        assert torch.equal(driver.memory[weights], expected), step
+
+
+def test_an_exponent_the_first_weights_lacked_is_coded_with_the_same_table():
+    """Every table codes every exponent, so a piece coded again after an
+    update never needs a new table."""
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=9))
+    manager.sleep(offload_tags=("weights",))
+    first = manager.allocations[weights].coded
+    assert all(first.table.lengths)
+    manager.wake_up()
+    # A huge weight: its exponent never occurred in the allocation before.
+    driver.memory[weights][:2].copy_(torch.tensor([3e38], dtype=torch.bfloat16).view(torch.uint8))
+    expected = driver.memory[weights].clone()
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": SIZE // 2}
+    assert manager.allocations[weights].coded is first
+    assert all(piece.coded is not None for piece in first.pieces)
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_coder_without_room_to_code_pieces_again_backs_the_allocation_up_whole(monkeypatch):
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=11))
+    manager.sleep(offload_tags=("weights",))
+    first = manager.allocations[weights].coded
+    manager.wake_up()
+    real_coder = coded_backup._Coder
+
+    def no_room(*args, **kwargs):
+        monkeypatch.setattr(coded_backup, "_Coder", real_coder)  # the whole backup gets room
+        raise torch.OutOfMemoryError("no room for the coder's scratch")
+
+    monkeypatch.setattr(coded_backup, "_Coder", no_room)
+    driver.memory[weights][5] ^= 0x40
+    expected = driver.memory[weights].clone()
+    manager.sleep(offload_tags=("weights",))
     assert manager.last_backup().copied == {"weights": SIZE}
-    again = manager.allocations[weights].coded
-    assert again is not first and all(piece.coded is not None for piece in again.pieces)
+    assert manager.allocations[weights].coded is not first
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_piece_coded_again_that_does_not_decode_is_kept_raw(monkeypatch, caplog):
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=10))
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    real_encode_lanes = exponent_codec.encode_lanes
+
+    def encode_with_a_flipped_bit(words, encoder, starts, stream, raw, ends):
+        real_encode_lanes(words, encoder, starts, stream, raw, ends)
+        stream[0] ^= 1
+
+    monkeypatch.setattr(exponent_codec, "encode_lanes", encode_with_a_flipped_bit)
+    driver.memory[weights][7] ^= 0x01
+    expected = driver.memory[weights].clone()
+    with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": SIZE // 2}
+    changed, untouched = manager.allocations[weights].coded.pieces
+    assert changed.coded is None and untouched.coded is not None
+    assert any("did not decode to its original" in r.getMessage() for r in caplog.records)
     manager.wake_up()
     assert torch.equal(driver.memory[weights], expected)

@@ -233,8 +233,9 @@ def test_the_kernels_compile_for_an_h200_and_an_mi300(target):
 @compiled_kernels_only
 def test_an_allocation_of_4_gib_or_more_launches_the_variant_the_warm_up_compiled(monkeypatch):
     # Triton passes a size of 2**31 or more as i64 whatever do_not_specialize
-    # says: a 4 GiB allocation's histogram must not take another variant than
-    # the warm-up's sample (coded_backup.prepare) compiled, at its first sleep.
+    # says: a 4 GiB allocation's histograms (one launch per piece) must not
+    # take another variant than the warm-up's sample (coded_backup.prepare)
+    # compiled, at its first sleep.
     real = exponent_codec._histogram_kernel
     launches = []
 
@@ -245,11 +246,14 @@ def test_an_allocation_of_4_gib_or_more_launches_the_variant_the_warm_up_compile
     monkeypatch.setattr(exponent_codec, "_histogram_kernel", Recorded())
     sample = torch.empty(2 * coded_backup.SAMPLE_WORDS, dtype=torch.uint8)  # what prepare codes
     large = torch.empty(4 << 30, dtype=torch.uint8, device="meta")  # no memory behind it
-    coded_backup._histograms([[(sample, sample)], [(large, large)]], torch.device("cpu"))
-    assert launches[1][0][1] == 1 << 31  # the large one's size, in words
+    pieces = coded_backup._split([(large, large)])
+    chunks = [[sample], [piece.on_device([(large, large)]) for piece in pieces]]
+    coded_backup._histograms(chunks, torch.device("cpu"))
+    assert len(launches) == 1 + (4 << 30) // coded_backup.PIECE_BYTES
+    assert launches[-1][0][1] == coded_backup.PIECE_BYTES // 2  # a piece's size, in words
     # What Triton's launcher makes of the arguments, on an H200: the cache key
     # of the compiled variant (triton/runtime/jit.py, JITFunction.run).
     backend = make_backend(GPUTarget("cuda", 90, 32))
     binder = create_function_from_signature(real.signature, real.params, backend)
-    warm_up, first_sleep = (binder(*arguments, **constants)[1] for arguments, constants in launches)
-    assert warm_up == first_sleep
+    warm_up, *first_sleep = (binder(*arguments, **c)[1] for arguments, c in launches)
+    assert all(key == warm_up for key in first_sleep)

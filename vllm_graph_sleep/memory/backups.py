@@ -118,12 +118,12 @@ class BackupCount:
     kept: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def _changed_blocks(
+def _changed_spans(
     then: torch.Tensor | None,
     now: torch.Tensor | None,
     pairs: list[tuple[torch.Tensor, torch.Tensor]],
-) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """The (device, host) spans of the blocks whose fingerprint `now` (the
+) -> list[tuple[int, int, int]] | None:
+    """(pair index, start, end) of the blocks whose fingerprint `now` (the
     device's) differs from `then` (the host backup's), neighbours joined into
     one span; None: all of them, nothing being known of what the host holds."""
     if then is None or now is None or then.shape != now.shape:
@@ -131,7 +131,7 @@ def _changed_blocks(
     differs = (then != now).any(dim=1).tolist()
     spans = []
     first = 0
-    for device_range, host_range in pairs:
+    for index, (device_range, _) in enumerate(pairs):
         count = blocks_of.blocks(device_range.numel())
         for changed, run in itertools.groupby(
             range(count), key=differs[first : first + count].__getitem__
@@ -140,7 +140,7 @@ def _changed_blocks(
                 run = list(run)
                 lo = run[0] * blocks_of.BLOCK_BYTES
                 hi = min((run[-1] + 1) * blocks_of.BLOCK_BYTES, device_range.numel())
-                spans.append((device_range[lo:hi], host_range[lo:hi]))
+                spans.append((index, lo, hi))
         first += count
     return spans
 
@@ -225,9 +225,9 @@ class Backups:
         """Copies `allocations` to pinned host buffers and waits for the copies;
         `live`: the ranges to copy of graph-pool segments (live_ranges). With
         keep_unchanged, the blocks whose fingerprint equals that of the backup
-        an allocation's host buffer still holds are not copied again (a coded
-        backup is kept whole or coded again whole: its code table spans the
-        allocation). Returns what was copied and what was kept.
+        an allocation's host buffer still holds are not copied again; of a
+        coded backup, the pieces with a changed block are coded again with the
+        allocation's table. Returns what was copied and what was kept.
 
         The driver makes each buffer the exact size needed, registered with
         cudaHostRegister, or from torch's pinned allocator (rounded up to a
@@ -266,47 +266,72 @@ class Backups:
                 allocation.host = self._driver.host_buffer(needed)
             pairs_of[allocation.address] = self.pairs(allocation)
         now = self._fingerprints(allocations, pairs_of)
-        to_code: dict[int, list[tuple[Allocation, list[tuple[torch.Tensor, torch.Tensor]]]]] = {}
+        copied: dict[int, int] = {}
+        # Per device: coded backups to code again whole, and pieces of others.
+        to_code: dict[int, list[Allocation]] = {}
+        to_recode: dict[int, list[tuple[Allocation, list[int]]]] = {}
         for allocation in allocations:
             pairs = pairs_of[allocation.address]
             coding = self.coded and allocation.tag == WEIGHTS_TAG and bool(pairs)
             if coding != (allocation.coded is not None):
                 allocation.fingerprints = None  # the host holds the other format
-            changed = _changed_blocks(allocation.fingerprints, now.get(allocation.address), pairs)
+            changed = _changed_spans(allocation.fingerprints, now.get(allocation.address), pairs)
             allocation.fingerprints = now.get(allocation.address)
-            copied = (
-                allocation.backup_bytes()
-                if changed is None
-                else sum(device_range.numel() for device_range, _ in changed)
-            )
-            if coding and copied:
-                copied = allocation.backup_bytes()
+            if coding and changed is None:
                 allocation.coded = None
-                to_code.setdefault(allocation.device, []).append((allocation, pairs))
-            elif not coding:
+                to_code.setdefault(allocation.device, []).append(allocation)
+                copied[allocation.address] = allocation.backup_bytes()
+            elif coding:
+                pieces = allocation.coded.pieces_touching(changed)
+                if pieces:
+                    to_recode.setdefault(allocation.device, []).append((allocation, pieces))
+                copied[allocation.address] = allocation.coded.bytes_of(pieces)
+            else:
                 allocation.coded = None
-                spans = pairs if changed is None else changed
+                spans = (
+                    pairs
+                    if changed is None
+                    else [(pairs[i][0][lo:hi], pairs[i][1][lo:hi]) for i, lo, hi in changed]
+                )
                 for device_range, host_range in spans:
                     host_range.copy_(device_range, non_blocking=True)
-            add(count.copied, allocation.tag, copied)
-            add(count.kept, allocation.tag, allocation.backup_bytes() - copied)
-        if to_code:
+                copied[allocation.address] = sum(d.numel() for d, _ in spans)
+        if to_code or to_recode:
             # Imported here: it brings Triton, which nothing else needs.
             from vllm_graph_sleep import coded_backup
 
+            for device, recoding in to_recode.items():
+                items = [(a.coded, pairs_of[a.address], pieces) for a, pieces in recoding]
+                if not coded_backup.recode(items):
+                    for allocation, _ in recoding:
+                        allocation.coded = None
+                        to_code.setdefault(device, []).append(allocation)
+                        copied[allocation.address] = allocation.backup_bytes()
             for coding in to_code.values():
-                backups = coded_backup.back_up([pairs for _, pairs in coding])
-                for (allocation, _), backup in zip(coding, backups, strict=True):
+                backups = coded_backup.back_up(
+                    [pairs_of[a.address] for a in coding], self._tensor_starts(coding)
+                )
+                for allocation, backup in zip(coding, backups, strict=True):
                     allocation.coded = backup
+        for allocation in allocations:
+            add(count.copied, allocation.tag, copied[allocation.address])
+            add(count.kept, allocation.tag, allocation.backup_bytes() - copied[allocation.address])
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
-        if to_code or now:
+        if to_code or to_recode or now:
             # The coder's scratch and the fingerprints' device copy, cached by
             # torch outside our pools.
             self._driver.release_cached_memory(collect_garbage=False)
         for allocation in allocations:
             allocation.has_backup = True
         return count
+
+    def _tensor_starts(self, allocations: list[Allocation]) -> list[list[int]]:
+        """Per allocation, the offsets where torch placed its tensors: a coded
+        backup is cut there, so that a tensor updated alone (a weight update
+        of some layers) is coded again alone."""
+        starts = self._driver.block_offsets({a.address for a in allocations})
+        return [starts.get(a.address, []) for a in allocations]
 
     def _fingerprints(
         self,

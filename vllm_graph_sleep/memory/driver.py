@@ -129,6 +129,11 @@ class DeviceDriver(Protocol):
         """(address, bytes) of the blocks torch has allocated in `pool`."""
         ...
 
+    def block_offsets(self, addresses: set[int]) -> dict[int, list[int]]:
+        """For each of our segments at `addresses`, the offsets of the blocks
+        torch has allocated there (where its tensors start)."""
+        ...
+
     def torch_segments(self) -> list[tuple[int, int, int]]:
         """(address, stream, bytes in use) of every segment torch's allocator holds."""
         ...

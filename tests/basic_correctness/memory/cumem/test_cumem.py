@@ -1261,8 +1261,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(coded):
     """Issue 38 on a real GPU: the Triton fingerprints, a sleep that copies
     nothing unchanged since the last wake, one flipped bit (in a NaN's
-    payload) copied again (its 1 MiB block raw, the whole allocation coded),
+    payload) copied again (its 1 MiB block raw, its 64 MiB piece coded),
     poisoned remaps so that nothing comes back right by luck."""
+    from vllm_graph_sleep.coded_backup import PIECE_BYTES
     from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES
 
     alloc = manager()
@@ -1291,7 +1292,7 @@ def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(co
     expected = weights[1].clone()
     assert not same_bits(expected, source)
     alloc.sleep(offload_tags=("weights",))
-    assert alloc.last_backup().copied == {"weights": size if coded else BLOCK_BYTES}
+    assert alloc.last_backup().copied == {"weights": PIECE_BYTES if coded else BLOCK_BYTES}
     with poisoned_remaps(alloc):
         alloc.wake_up()
     assert same_bits(weights[0], source)
