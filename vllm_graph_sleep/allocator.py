@@ -71,6 +71,7 @@ from vllm_graph_sleep.memory.records import (
     AllocationTable,
     add,
 )
+from vllm_graph_sleep.memory.release import PartialRelease, discard, drop, release_backed_up
 from vllm_graph_sleep.memory.report import PhaseClock, coded_note, copy_note, describe
 from vllm_graph_sleep.memory.routing import PoolRouter
 from vllm_graph_sleep.memory.stack import STACK_WHILE_ASLEEP, StackLimiter
@@ -327,10 +328,7 @@ class GraphSleepAllocator:
         """Tags everything in the graph pool "cudagraph", whatever tag was current
         when it was allocated (a capture outside `cudagraph_pool()`, e.g. a lazy
         one, still used this pool through the platform's global graph pool)."""
-        for segment in self._router.graph_pool_segments():
-            allocation = self.table.get(segment["address"])
-            if allocation is not None:
-                allocation.tag = GRAPH_TAG
+        self.table.retag({s["address"] for s in self._router.graph_pool_segments()}, GRAPH_TAG)
 
     def release_pools(self) -> None:
         """Engine shutdown: drops the graph pool (a next engine in this process
@@ -419,47 +417,26 @@ class GraphSleepAllocator:
             ) from error
         clock.lap(f"backup ({len(to_back_up)} allocations)")
 
-        released: list[Allocation] = []
         try:
-            for allocation in to_back_up:
-                self._driver.unmap_and_release(*allocation.vmm_args())
-                allocation.mapped = False
-                released.append(allocation)
-        except Exception as error:
-            self._backups.restore_after_failed_sleep(released, to_back_up)
+            released = release_backed_up(self._driver, self._backups, to_back_up)
+        except PartialRelease as error:
             raise SleepError(
-                f"sleep failed after releasing {len(released)} of {len(to_back_up)} backed-up "
+                f"sleep failed after releasing {error.released} of {len(to_back_up)} backed-up "
                 f"allocations: {error}. They were mapped back from their host copies; "
                 f"the engine is awake, but {RESUME_HINT}."
             ) from error
-
         kept: dict[str, int] = {}
-        dropped: dict[str, int] = {}
-        still_mapped: dict[str, int] = {}
-        failures: list[str] = []
         for allocation in released:
             add(kept, allocation.tag, allocation.backup_bytes())
-            if allocation.backup_bytes() < allocation.size:
-                add(dropped, allocation.tag, allocation.size - allocation.backup_bytes())
-        for allocation in to_drop:
-            try:
-                self._driver.unmap_and_release(*allocation.vmm_args())
-            except Exception as error:
-                add(still_mapped, allocation.tag, allocation.size)
-                failures.append(f"{allocation.address:#x}: {error}")
-                continue
-            allocation.mapped = False
-            allocation.drop_host()
-            allocation.has_backup = False
-            add(dropped, allocation.tag, allocation.size)
-        if failures:
+        dropped = drop(self._driver, released, to_drop)
+        if dropped.failures:
             logger.error(
                 "graph-sleep sleep: could not release %s (they stay mapped and keep their "
                 "contents; wake skips them): %s",
-                describe(still_mapped),
-                "; ".join(failures),
+                describe(dropped.still_mapped),
+                "; ".join(dropped.failures),
             )
-        clock.lap(f"release ({len(released) + len(to_drop) - len(failures)} allocations)")
+        clock.lap(f"release ({len(released) + len(to_drop) - len(dropped.failures)} allocations)")
         stack = self._stack.lower({allocation.device for allocation in self.table.live()})
         clock.lap("stack limit")
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
@@ -469,7 +446,7 @@ class GraphSleepAllocator:
             describe(kept),
             copy_note(self._last_backup) if self._backups.keep_unchanged else "",
             coded_note(released),
-            describe(dropped),
+            describe(dropped.dropped),
             stack,
             workspaces,
             clock.summary(),
@@ -492,17 +469,7 @@ class GraphSleepAllocator:
         else:
             settled = self._settler.stop()
 
-        def wanted(allocation: Allocation) -> bool:
-            return (
-                requested is None
-                or allocation.tag in requested
-                or allocation.tag not in DEFERRABLE_TAGS
-            )
-
-        targets = [a for a in self.table.all() if not a.mapped and wanted(a)]
-        # Those with a backup first, so that their copies start while the rest
-        # map; then graph pool and other internal tags: what replays need.
-        targets.sort(key=lambda a: (not a.has_backup, a.tag in DEFERRABLE_TAGS, a.tag != GRAPH_TAG))
+        targets = self.table.to_wake(requested)
         lowered = self._stack.lowered_devices()
         try:
             # Before anything else: no graph may replay with the stack lowered.
@@ -564,17 +531,6 @@ class GraphSleepAllocator:
         Awake allocations are unmapped; sleeping ones lose their host backup, so
         they come back with undefined contents (zeroed on ROCm)."""
         selected = self._router.normalize(tags, "discard")
-        freed = 0
-        for allocation in self.table.live():
-            if allocation.tag not in selected:
-                continue
-            if allocation.mapped:
-                self._driver.synchronize(allocation.device)
-                self._driver.unmap_and_release(*allocation.vmm_args())
-                allocation.mapped = False
-                freed += allocation.size
-            allocation.drop_host()
-            allocation.has_backup = False
-        self._driver.release_dropped_host_buffers()
+        freed = discard(self._driver, [a for a in self.table.live() if a.tag in selected])
         logger.info("graph-sleep discard(%s): released %s", list(selected), format_bytes(freed))
         return freed

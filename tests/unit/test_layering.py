@@ -267,3 +267,17 @@ def test_the_checker_finds_a_circle_through_a_lazy_import(tmp_path):
     graph = package_graph(package)
     assert upward_imports(graph) == set()  # all three are diagnostics
     assert circles(graph) == [["ledger", "probe"]]
+
+
+#: Issue 36's "no class over about 400 lines": the facade is the largest.
+MAX_CLASS_LINES = 410
+
+
+def test_no_class_of_the_package_is_over_about_400_lines():
+    long = {
+        f"{path.relative_to(ROOT)}:{node.name}": node.end_lineno - node.lineno + 1
+        for path in sorted((ROOT / PACKAGE).rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+    }
+    assert long == {}

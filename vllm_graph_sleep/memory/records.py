@@ -134,6 +134,24 @@ class AllocationTable:
             add(per_tag, allocation.tag, allocation.size)
         return per_tag
 
+    def retag(self, addresses: set[int], tag: str) -> None:
+        """Gives the allocations at `addresses` (those of ours) `tag`."""
+        for address in addresses & self._by_address.keys():
+            self._by_address[address].tag = tag
+
+    def to_wake(self, tags: tuple[str, ...] | None) -> list[Allocation]:
+        """The sleeping allocations a wake of `tags` (None: all) maps back,
+        every non-deferrable tag's included, in the order it maps them: those
+        with a backup first, so that their copies start while the rest map;
+        then graph pool and other internal tags, what replays need."""
+        targets = [
+            a
+            for a in self._by_address.values()
+            if not a.mapped and (tags is None or a.tag in tags or a.tag not in DEFERRABLE_TAGS)
+        ]
+        targets.sort(key=lambda a: (not a.has_backup, a.tag in DEFERRABLE_TAGS, a.tag != GRAPH_TAG))
+        return targets
+
     def asleep_by_tag(self) -> dict[str, int]:
         per_tag: dict[str, int] = {}
         for allocation in self._by_address.values():
