@@ -549,6 +549,33 @@ def all_reduce_mode(
     return f"vLLM custom all-reduce (stock: registers graph inputs under capture){extra}"
 
 
+def deep_sleep_state(engine_args: Any, platform: Any, environ: MutableMapping[str, str]) -> str:
+    """Whether `/sleep?...&checkpoint=1` (issue 39) can work for this engine."""
+    from vllm_graph_sleep import deep_sleep
+    from vllm_graph_sleep.cuda_checkpoint import CheckpointDriver
+
+    world = (engine_args.tensor_parallel_size or 1) * (engine_args.pipeline_parallel_size or 1)
+    in_process = settings.parse_yes_no(environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1")) is False
+    # Stand-ins for the engine core pids: one per data-parallel rank, none of them this process.
+    pids = (
+        None if in_process else [-1 - rank for rank in range(engine_args.data_parallel_size or 1)]
+    )
+    missing = None
+    if not platform.is_rocm():
+        try:
+            missing = CheckpointDriver.load().missing
+        except OSError:
+            missing = None
+    why = deep_sleep.refusal(pids, world, 1, platform.is_rocm(), missing)
+    if why is not None:
+        return f"not available: {why} (checked on this machine)"
+    return (
+        "available, opt-in: POST /sleep?level=1&checkpoint=1 (dev mode, one API server process) "
+        "or vllm_graph_sleep.deep_sleep.sleep(llm); the CUDA driver checkpoints the engine core "
+        "process after the sleep, a wake restores it first (not yet measured end to end)"
+    )
+
+
 def versions() -> str:
     import torch
     import vllm
@@ -721,6 +748,7 @@ def diagnose(
         all_reduce_mode(engine_args, platform, gate.active, environ, diag),
     )
     diag.add("environment", environment_check(gate.active, environ, diag))
+    diag.add("deep sleep", deep_sleep_state(engine_args, platform, environ))
     diag.add("versions", versions())
     diag.add("plugin", plugin_checks(gate.active, environ, diag))
     return diag

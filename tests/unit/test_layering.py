@@ -52,6 +52,8 @@ LAYERS: dict[str, int] = {
     "rpc_request_validation": 3,
     "utility_results": 3,
     "earlier_pools": 3,
+    "deep_sleep": 3,
+    "deep_sleep_http": 3,
     # 4: patches, and the plugin's entry point that applies them
     "patches": 4,
     "": 4,

@@ -2,8 +2,8 @@
 
 vLLM symbols: the module function attach_router(app), which
 vllm.entrypoints.serve.register_vllm_dev_api_routers imports at call time (only
-with VLLM_SERVER_DEV_MODE=1), and the POST /sleep and POST /wake_up routes of
-the module's router. Verified against vLLM 0.26.0.
+with VLLM_SERVER_DEV_MODE=1), and the POST /sleep, POST /wake_up and GET
+/is_sleeping routes of the module's router. Verified against vLLM 0.26.0.
 
 Why: 0.26 passes the query of these endpoints to the engine unchecked, and
 queues requests sent to a sleeping engine without a bound (see
@@ -11,13 +11,16 @@ vllm_graph_sleep.request_gate). attach_router is wrapped so that, before vLLM's
 router is included, the app gets request_gate's two ASGI middlewares:
 SleepRequestValidation (400 for a bad /sleep or /wake_up query, the engine not
 called) and AsleepGate (inference requests held while the engine sleeps, 503
-with Retry-After past the bound). They are applied whenever the plugin is
-installed, independent of --sleep-mode-offload-cudagraph: they only change what
-stock vLLM mishandles.
+with Retry-After past the bound), and inside them deep_sleep_http's
+DeepSleepEndpoints (the opt-in `/sleep?checkpoint=1`; without it every answer
+is stock's). They are applied whenever the plugin is installed, independent of
+--sleep-mode-offload-cudagraph: they only change what stock vLLM mishandles,
+or what a client asks for by name.
 
 Remove when: SleepRequestValidation, on vLLM 0.33+ (it validates level and
 mode); AsleepGate, when vLLM bounds the wait of a request sent to a sleeping
-engine (0.33 does not).
+engine (0.33 does not); DeepSleepEndpoints, when vLLM checkpoints a sleeping
+engine itself (open PRs vllm-project/vllm #56373 and #58183).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_graph_sleep import patches, request_gate
+from vllm_graph_sleep import deep_sleep_http, patches, request_gate
 from vllm_graph_sleep.patches._wrap import (
     VERIFIED_VLLM,
     IncompatibleVllmError,
@@ -42,7 +45,13 @@ def _wrap_attach_router(original: Callable[..., Any]) -> Callable[..., Any]:
         # add_middleware must run before the app starts; vLLM's build_app calls
         # attach_router while building the app, so this holds.
         present = {m.cls for m in app.user_middleware}
-        for middleware in (request_gate.SleepRequestValidation, request_gate.AsleepGate):
+        # Each added outside the ones before: AsleepGate sees every request first.
+        middlewares = (
+            deep_sleep_http.DeepSleepEndpoints,
+            request_gate.SleepRequestValidation,
+            request_gate.AsleepGate,
+        )
+        for middleware in middlewares:
             if middleware not in present:
                 app.add_middleware(middleware)
         return original(app, *args, **kwargs)
@@ -57,14 +66,15 @@ def _require_post_routes(router: Any) -> None:
         for route in router.routes
         for method in (getattr(route, "methods", None) or ())
     }
-    missing = [
-        p
-        for p in (request_gate.SLEEP_PATH, request_gate.WAKE_UP_PATH)
-        if (p, "POST") not in present
+    wanted = [
+        (request_gate.SLEEP_PATH, "POST"),
+        (request_gate.WAKE_UP_PATH, "POST"),
+        (deep_sleep_http.IS_SLEEPING_PATH, "GET"),
     ]
+    missing = [f"{method} {path}" for path, method in wanted if (path, method) not in present]
     if missing:
         raise IncompatibleVllmError(
-            f"vllm-graph-sleep: {WHERE}.router lacks POST route(s) {missing} in vLLM "
+            f"vllm-graph-sleep: {WHERE}.router lacks route(s) {missing} in vLLM "
             f"{vllm_version()} (verified against {VERIFIED_VLLM})"
         )
 

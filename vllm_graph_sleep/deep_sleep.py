@@ -1,0 +1,307 @@
+"""Deep sleep (issue 39): after a level-1 or level-2 sleep, the CUDA driver
+checkpoints the engine core's process, so that what no allocator can give back
+(the CUDA context, cuBLAS handles, loaded kernels, instantiated graphs) leaves
+the GPU too; a wake restores it first and then wakes as usual.
+
+The checkpoint API is called by a controller for another process: here the
+process that holds the engine client (vLLM's API server, or the process of an
+offline `vllm.LLM`), for the engine core process it started, where a TP=1
+engine's worker runs. Measured on an H200 (docs/results/checkpoint-h200.md):
+after our level-1 sleep the checkpointed engine holds nothing over the idle
+GPU, and restore + wake took 0.40 s.
+
+Refused, with the reason, where the driver cannot do it or we have not
+measured it: ROCm (no such API), a driver without it (before 570), an engine
+in this very process, TP or PP > 1 (NCCL and CUDA IPC memory are not
+supported by the checkpoint, NVIDIA/cuda-checkpoint #30 and #27), several
+engine core processes, several API server processes (only the one that
+checkpointed could restore). A wake first checks that the GPU has room for
+what the process held: a restore that runs out of memory can leave the
+process stuck (NVIDIA/cuda-checkpoint #44), so without room the wake fails
+with a clear error and the engine stays asleep and checkpointed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import weakref
+from typing import Any, Protocol
+
+from vllm_graph_sleep.units import MiB, format_bytes
+
+#: How long the lock waits for the engine's CUDA work in flight.
+LOCK_TIMEOUT_MS = 10_000
+#: Free memory a restore needs beyond what the process held when checkpointed:
+#: the driver's own bookkeeping for the restore (a margin, not a measured figure).
+RESTORE_HEADROOM = 256 * MiB
+
+
+class DeepSleepRefused(RuntimeError):
+    """A deep sleep this engine, driver or platform cannot do; nothing was checkpointed."""
+
+
+class DeepSleepError(RuntimeError):
+    """A checkpoint that failed; the engine is asleep as the sleep left it."""
+
+
+class DeepWakeError(RuntimeError):
+    """A restore that did not start (no room) or failed; `checkpointed` says
+    whether the engine is still checkpointed, so that a retry can restore it."""
+
+    def __init__(self, message: str, checkpointed: bool) -> None:
+        super().__init__(message)
+        self.checkpointed = checkpointed
+
+
+class GpuMemory(Protocol):
+    def process_bytes(self, pid: int) -> dict[int, int]:
+        """NVML index -> device bytes `pid` uses there (GPUs where it has a context)."""
+        ...
+
+    def free_bytes(self, device: int) -> int: ...
+
+
+class NvmlMemory:
+    """GPU memory as NVML reports it, for every GPU of the machine."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+
+    def _handles(self) -> list[Any]:
+        count = self._nvml.nvmlDeviceGetCount()
+        return [self._nvml.nvmlDeviceGetHandleByIndex(index) for index in range(count)]
+
+    def process_bytes(self, pid: int) -> dict[int, int]:
+        used = {}
+        for index, handle in enumerate(self._handles()):
+            for process in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid == pid:
+                    used[index] = int(process.usedGpuMemory or 0)
+        return used
+
+    def free_bytes(self, device: int) -> int:
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handles()[device]).free)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointed:
+    """A checkpointed engine core: its pid, the GPU it ran on and the device
+    bytes it held there just before the checkpoint (what a restore needs)."""
+
+    pid: int
+    device: int
+    held: int
+    checkpoint_s: float
+
+
+def engine_core_pids(engine_client: Any) -> list[int] | None:
+    """Pids of the engine core processes an engine client (AsyncLLM, or an
+    LLM's LLMEngine) started; None for an engine in this process or one
+    whose processes this client does not own (a Ray or external launcher)."""
+    core = getattr(engine_client, "engine_core", None)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    processes = getattr(manager, "processes", None)
+    if not processes:
+        return None
+    return [process.pid for process in processes]
+
+
+def refusal(
+    pids: list[int] | None,
+    world_size: int,
+    api_servers: int = 1,
+    is_rocm: bool = False,
+    missing_calls: list[str] | None = None,
+) -> str | None:
+    """Why a deep sleep cannot be done here, or None. `missing_calls`: the
+    checkpoint calls the loaded driver lacks (None: the driver could not be
+    loaded at all)."""
+    if is_rocm:
+        return "deep sleep uses the CUDA driver's checkpoint API; ROCm has none"
+    if missing_calls is None:
+        return "libcuda.so.1 could not be loaded in this process"
+    if missing_calls:
+        return (
+            f"this NVIDIA driver lacks {', '.join(missing_calls)} (the checkpoint API "
+            "came with driver 570)"
+        )
+    if pids is None or os.getpid() in pids:
+        return (
+            "the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, or an "
+            "external launcher): the driver checkpoints another process"
+        )
+    if len(pids) != 1:
+        return f"{len(pids)} engine core processes (data parallel): one is supported"
+    if world_size > 1:
+        return (
+            f"world size {world_size} (TP x PP): the driver's checkpoint does not support "
+            "NCCL or CUDA IPC memory (NVIDIA/cuda-checkpoint #30, #27)"
+        )
+    if api_servers > 1:
+        return (
+            f"{api_servers} API server processes: only the one that checkpointed the engine "
+            "could restore it"
+        )
+    return None
+
+
+class DeepSleep:
+    """The controller of one engine core process: checkpoints it after a sleep
+    and restores it before a wake. One per engine client; its calls block
+    (run them off an event loop) and one runs at a time."""
+
+    def __init__(self, driver: Any, memory: GpuMemory, headroom: int = RESTORE_HEADROOM) -> None:
+        self._driver = driver  # cuda_checkpoint.CheckpointDriver or a stand-in
+        self._memory = memory
+        self._headroom = headroom
+        self._lock = threading.Lock()
+        self.checkpointed: Checkpointed | None = None
+
+    @classmethod
+    def load(cls) -> DeepSleep:
+        from vllm_graph_sleep.cuda_checkpoint import CheckpointDriver
+
+        return cls(CheckpointDriver.load(), NvmlMemory())
+
+    @property
+    def missing_calls(self) -> list[str]:
+        return list(self._driver.missing)
+
+    def checkpoint(self, pid: int) -> Checkpointed:
+        """Locks `pid` (its CUDA work in flight finishes) and checkpoints it."""
+        with self._lock:
+            if self.checkpointed is not None:
+                raise DeepSleepError(f"pid {self.checkpointed.pid} is already checkpointed")
+            used = self._memory.process_bytes(pid)
+            if len(used) != 1:
+                raise DeepSleepRefused(
+                    f"pid {pid} holds a context on {len(used)} GPUs ({sorted(used)}); "
+                    "one is supported"
+                )
+            ((device, held),) = used.items()
+            started = time.perf_counter()
+            try:
+                self._driver.lock(pid, LOCK_TIMEOUT_MS)
+            except Exception as error:
+                raise DeepSleepError(f"the driver would not lock pid {pid}: {error}") from error
+            try:
+                self._driver.checkpoint(pid)
+            except Exception as error:
+                self._unlock_after(pid, error)
+                raise DeepSleepError(
+                    f"the driver would not checkpoint pid {pid}: {error}; it was unlocked and "
+                    "stays asleep as the sleep left it"
+                ) from error
+            self.checkpointed = Checkpointed(pid, device, held, time.perf_counter() - started)
+            return self.checkpointed
+
+    def _unlock_after(self, pid: int, error: Exception) -> None:
+        try:
+            self._driver.unlock(pid)
+        except Exception as unlock_error:
+            error.add_note(f"unlocking pid {pid} afterwards failed too: {unlock_error}")
+
+    def restore(self) -> float:
+        """Restores and unlocks the checkpointed process; seconds it took.
+        Starts no restore without room for what the process held."""
+        with self._lock:
+            target = self.checkpointed
+            if target is None:
+                return 0.0
+            need = target.held + self._headroom
+            free = self._memory.free_bytes(target.device)
+            if free < need:
+                raise DeepWakeError(
+                    f"the engine's checkpoint needs {format_bytes(need)} free on GPU "
+                    f"{target.device} ({format_bytes(target.held)} it held and "
+                    f"{format_bytes(self._headroom)} of headroom), and {format_bytes(free)} "
+                    "is free: no restore was started (one that runs out of memory can leave "
+                    "the process stuck). The engine stays asleep and checkpointed; free memory "
+                    "on that GPU and wake it again.",
+                    checkpointed=True,
+                )
+            started = time.perf_counter()
+            try:
+                self._driver.restore(target.pid)
+            except Exception as error:
+                still = self._state(target.pid) == "checkpointed"
+                if not still:
+                    self.checkpointed = None
+                raise DeepWakeError(
+                    f"the driver could not restore pid {target.pid}: {error} (it is now "
+                    f"{self._state(target.pid)})",
+                    checkpointed=still,
+                ) from error
+            self.checkpointed = None
+            try:
+                self._driver.unlock(target.pid)
+            except Exception as error:
+                raise DeepWakeError(
+                    f"pid {target.pid} was restored but not unlocked: {error}", checkpointed=False
+                ) from error
+            return time.perf_counter() - started
+
+    def _state(self, pid: int) -> str:
+        try:
+            return self._driver.state(pid)
+        except Exception as error:  # the driver's own error; the caller reports it
+            return f"unknown ({error})"
+
+
+# -- offline: vllm.LLM ---------------------------------------------------------
+
+#: One controller per LLM, made at its first deep sleep.
+_controllers: weakref.WeakKeyDictionary[Any, DeepSleep] = weakref.WeakKeyDictionary()
+
+
+def _is_rocm() -> bool:
+    import torch
+
+    return torch.version.hip is not None
+
+
+def sleep(llm: Any, level: int = 1, controller: DeepSleep | None = None) -> Checkpointed:
+    """`llm.sleep(level)`, then the engine core process checkpointed by this
+    one. Raises DeepSleepRefused (nothing done) where that cannot be done,
+    DeepSleepError (asleep at `level`, not checkpointed) where the driver
+    refused. `controller`: the one to use (default: this LLM's, made now)."""
+    engine = llm.llm_engine
+    pids = engine_core_pids(engine)
+    world_size = engine.vllm_config.parallel_config.world_size
+    missing: list[str] | None = None
+    if not _is_rocm():
+        controller = controller or _controllers.get(llm)
+        if controller is None:
+            try:
+                controller = DeepSleep.load()
+            except Exception as error:  # no libcuda or no NVML
+                raise DeepSleepRefused(f"deep sleep refused: {error}") from error
+        missing = controller.missing_calls
+    why = refusal(pids, world_size, 1, _is_rocm(), missing)
+    if why is not None:
+        raise DeepSleepRefused(f"deep sleep refused: {why}")
+    _controllers[llm] = controller
+    if controller.checkpointed is not None:
+        raise DeepSleepError("the engine is already checkpointed: wake_up first")
+    llm.sleep(level=level)
+    return controller.checkpoint(pids[0])
+
+
+def wake_up(llm: Any, tags: list[str] | None = None) -> None:
+    """Restores a checkpointed engine core (DeepWakeError, the engine still
+    asleep, where the GPU has no room), then `llm.wake_up(tags)`."""
+    controller = _controllers.get(llm)
+    if controller is not None:
+        controller.restore()
+    llm.wake_up(tags=tags)
+
+
+def is_checkpointed(llm: Any) -> bool:
+    controller = _controllers.get(llm)
+    return controller is not None and controller.checkpointed is not None

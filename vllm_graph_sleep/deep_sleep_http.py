@@ -1,0 +1,191 @@
+"""Deep sleep through the dev-mode HTTP server (issue 39), as an ASGI middleware.
+
+- `POST /sleep?level=N&checkpoint=1`: refused with 409 and the reason (the
+  engine not called) where `deep_sleep.refusal` says the driver cannot do it;
+  else vLLM's sleep runs as it would, and once it answered 200 this API server
+  checkpoints the engine core process. A checkpoint that fails answers 500
+  with the driver's error; the engine is then asleep at level N, not deeper.
+- `POST /wake_up` while checkpointed: the restore first (no restore is started
+  without room for it: 503 with Retry-After, the engine still asleep and
+  checkpointed), then vLLM's wake as usual, staged tags included.
+- `GET /is_sleeping` while checkpointed: `{"is_sleeping": true,
+  "checkpointed": true}`, answered here without asking the engine; otherwise
+  vLLM's answer as stock gives it.
+- Any other POST while checkpointed gets 409: what reaches the engine's GPU
+  would wait on the driver's lock until the wake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.datastructures import QueryParams
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vllm_graph_sleep.deep_sleep import (
+    DeepSleep,
+    DeepSleepError,
+    DeepSleepRefused,
+    DeepWakeError,
+    engine_core_pids,
+    refusal,
+)
+from vllm_graph_sleep.settings import parse_yes_no
+
+SLEEP_PATH = "/sleep"
+WAKE_UP_PATH = "/wake_up"
+IS_SLEEPING_PATH = "/is_sleeping"
+CHECKPOINT_PARAM = "checkpoint"
+#: Seconds a client is told to wait before it retries a wake refused for room.
+RETRY_AFTER_S = 5
+
+
+def _error(status: int, message: str, **headers: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers or None)
+
+
+class _Buffered:
+    """An inner app's response, kept until the middleware decides what goes out."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+
+    async def send(self, message: Message) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int | None:
+        starts = [m for m in self.messages if m["type"] == "http.response.start"]
+        return starts[0]["status"] if starts else None
+
+    async def replay(self, send: Send) -> None:
+        for message in self.messages:
+            await send(message)
+
+
+class DeepSleepEndpoints:
+    """The middleware; one per API server process, owner of its controller."""
+
+    def __init__(self, app: ASGIApp, controller: DeepSleep | None = None) -> None:
+        self.app = app
+        self._controller = controller  # made at the first deep sleep asked for
+        self._load_error: str | None = None
+        self._transition: asyncio.Lock | None = None
+
+    @property
+    def checkpointed(self) -> bool:
+        return self._controller is not None and self._controller.checkpointed is not None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        method = scope["method"]
+        if method == "GET" and path == IS_SLEEPING_PATH:
+            await self._is_sleeping(scope, receive, send)
+            return
+        if method != "POST":
+            await self.app(scope, receive, send)
+            return
+        if self._transition is None:
+            self._transition = asyncio.Lock()
+        if path == SLEEP_PATH:
+            params = QueryParams(scope["query_string"])
+            values = params.getlist(CHECKPOINT_PARAM)
+            if len(values) > 1:
+                await _error(400, f"{CHECKPOINT_PARAM} given {len(values)} times: give it once")(
+                    scope, receive, send
+                )
+                return
+            deep = parse_yes_no(values[0]) if values else False
+            if deep is None:
+                await _error(
+                    400, f"invalid {CHECKPOINT_PARAM} {values[0]!r}: 1/true/yes or 0/false/no"
+                )(scope, receive, send)
+                return
+            if self.checkpointed:
+                await self._refuse_while_checkpointed(scope, receive, send)
+                return
+            if deep:
+                async with self._transition:
+                    await self._deep_sleep(scope, receive, send)
+                return
+        elif path == WAKE_UP_PATH and self.checkpointed:
+            async with self._transition:
+                await self._deep_wake(scope, receive, send)
+            return
+        elif self.checkpointed:
+            await self._refuse_while_checkpointed(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _refuse_while_checkpointed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await _error(
+            409,
+            "the engine is asleep and checkpointed by the CUDA driver: POST /wake_up first",
+        )(scope, receive, send)
+
+    def _why_not(self, state: Any) -> str | None:
+        engine = getattr(state, "engine_client", None)
+        config = getattr(engine, "vllm_config", None)
+        parallel = getattr(config, "parallel_config", None)
+        world_size = getattr(parallel, "world_size", 1)
+        args = getattr(state, "args", None)
+        api_servers = getattr(args, "api_server_count", None) or 1
+        import torch
+
+        is_rocm = torch.version.hip is not None
+        missing = None
+        if not is_rocm:
+            if self._controller is None and self._load_error is None:
+                try:
+                    self._controller = DeepSleep.load()
+                except Exception as error:  # no libcuda or no NVML: said in the refusal
+                    self._load_error = f"{type(error).__name__}: {error}"
+            missing = None if self._controller is None else self._controller.missing_calls
+        why = refusal(engine_core_pids(engine), world_size, api_servers, is_rocm, missing)
+        if why is not None and missing is None and self._load_error:
+            why = f"{why} ({self._load_error})"
+        return why
+
+    async def _deep_sleep(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = scope["app"].state
+        why = self._why_not(state)
+        if why is not None:
+            await _error(409, f"deep sleep refused: {why}")(scope, receive, send)
+            return
+        inner = _Buffered()
+        await self.app(scope, receive, inner.send)
+        if inner.status != 200:
+            await inner.replay(send)  # vLLM's own answer: no sleep, no checkpoint
+            return
+        (pid,) = engine_core_pids(state.engine_client)
+        try:
+            await asyncio.to_thread(self._controller.checkpoint, pid)
+        except (DeepSleepError, DeepSleepRefused) as error:
+            await _error(500, f"asleep as asked, but not checkpointed: {error}")(
+                scope, receive, send
+            )
+            return
+        await inner.replay(send)
+
+    async def _deep_wake(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await asyncio.to_thread(self._controller.restore)
+        except DeepWakeError as error:
+            if error.checkpointed:
+                response = _error(503, str(error), **{"Retry-After": str(RETRY_AFTER_S)})
+            else:
+                response = _error(500, str(error))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    async def _is_sleeping(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.checkpointed:
+            await self.app(scope, receive, send)  # vLLM's answer, as stock gives it
+            return
+        await JSONResponse({"is_sleeping": True, "checkpointed": True})(scope, receive, send)
