@@ -110,7 +110,8 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="C",
         help="among ours, stock_graphs, stock_eager (default all three, in this order), "
         "ours_coded and ours_raw (ours with VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS=1 or 0: weight "
-        "backups coded, the default on CUDA, or copied as they are)",
+        "backups coded, the default on CUDA, or copied as they are), ours_deep (ours with "
+        "every sleep checkpointed by the CUDA driver, /sleep?checkpoint=1)",
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=_fraction, default=BenchSettings.gpu_memory_utilization

@@ -55,8 +55,12 @@ GRAPHS = 67
 class State:
     def __init__(self, config: str, used_file: Path, pressure_file: Path | None = None):
         self.config = config
-        # ours_coded and ours_raw are ours with the coding switch set one way.
-        self.ours = config in ("ours", "ours_coded", "ours_raw")
+        # ours_coded and ours_raw are ours with the coding switch set one way,
+        # ours_deep ours with its sleeps checkpointed.
+        self.ours = config in ("ours", "ours_coded", "ours_raw", "ours_deep")
+        # Checkpointed by the CUDA driver (/sleep?checkpoint=1): the process holds
+        # nothing on the GPU, the context included, until its wake restores it.
+        self.checkpointed = False
         self.used_file = used_file
         self.pressure_file = pressure_file
         self.graphs = 0 if config == "stock_eager" else SIZES["cudagraph"]
@@ -81,6 +85,8 @@ class State:
         return not self.ours or any(self.mapped.values())
 
     def used(self) -> int:
+        if self.checkpointed:
+            return IDLE
         total = IDLE + CONTEXT
         total += sum(SIZES[t] for t, on in self.mapped.items() if on)
         if self.graph_resident():
@@ -224,6 +230,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200 if time.monotonic() >= self.ready_at else 503)
         elif path == "/v1/models":
             self._send(200, {"data": [{"id": "fake-model"}]})
+        elif path == "/is_sleeping" and self.state.checkpointed:
+            self._send(200, {"is_sleeping": True, "checkpointed": True})
         elif path == "/is_sleeping":
             self._send(200, {"is_sleeping": not all(self.state.mapped.values())})
         else:
@@ -238,6 +246,9 @@ class Handler(BaseHTTPRequestHandler):
         url = urllib.parse.urlparse(self.path)
         query = urllib.parse.parse_qs(url.query)
         state = self.state
+        if state.checkpointed and url.path not in ("/wake_up", "/v1/completions"):
+            self._send(409, {"error": "checkpointed: POST /wake_up first"})
+            return
         if url.path == "/v1/completions":
             body = self._body()
             if not all(state.mapped.values()):
@@ -274,10 +285,16 @@ class Handler(BaseHTTPRequestHandler):
             state.mapped = {"weights": False, "kv_cache": False}
             if level == 2:
                 state.weights_valid = False
+            state.checkpointed = query.get("checkpoint") == ["1"]
             time.sleep(0.01)
             state.write()
             self._send(200)
         elif url.path == "/wake_up":
+            if state.checkpointed:  # the restore first, only with room for what it held
+                if TOTAL - IDLE - state.held_by_others() < CONTEXT:
+                    self._send(503, {"error": "no room to restore"}, {"Retry-After": "5"})
+                    return
+                state.checkpointed = False
             tags = query.get("tags") or list(state.mapped)
             need = state.wake_need(tags)
             free = TOTAL - state.used() - state.held_by_others()

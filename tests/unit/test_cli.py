@@ -782,6 +782,23 @@ def test_ours_with_coded_and_raw_backups_are_configurations_of_their_own(
     assert "weight backups raw" in logs["ours_raw"]
 
 
+def test_ours_with_every_sleep_checkpointed_is_a_configuration_of_its_own(fake_bench, capsys):
+    # Issue 39: ours_deep asks for the driver's checkpoint at every sleep; asleep
+    # the fake then holds nothing over the idle GPU, and the probe is not asked.
+    argv, out = fake_bench
+    assert cli.main([*argv, "--configs", "ours,ours_deep,stock_graphs"]) == 0
+    captured = capsys.readouterr().out
+    assert "ours, checkpointed" in captured.splitlines()[0]
+    assert table_row(captured, "bit-exact after wake") == ["4/4"] * 3
+    results = json.loads((out / "results.json").read_text())
+    deep = next(c for c in results["configs"] if c["config"] == "ours_deep")
+    ours = next(c for c in results["configs"] if c["config"] == "ours")
+    assert all(s["asleep_used_bytes"] == [IDLE] for s in deep["steps"])  # one per GPU
+    assert all(s["asleep_used_bytes"][0] > IDLE for s in ours["steps"])
+    assert all(s["asleep_report"] is None and s["is_sleeping_asleep"] for s in deep["steps"])
+    assert all(s["asleep_report"] for s in ours["steps"])
+
+
 @pytest.mark.parametrize(
     ("status", "body", "answer"),
     [

@@ -159,9 +159,10 @@ class Client:
 
     # -- sleep mode -------------------------------------------------------
 
-    def sleep(self, level: int) -> float:
+    def sleep(self, level: int, checkpoint: bool = False) -> float:
         started = time.perf_counter()
-        self._request("POST", "/sleep", query=[("level", str(level))])
+        query = [("level", str(level))] + ([("checkpoint", "1")] if checkpoint else [])
+        self._request("POST", "/sleep", query=query)
         return time.perf_counter() - started
 
     def wake_up(self, tags: Sequence[str] = ()) -> float:

@@ -20,6 +20,7 @@ COLORS = {
     "ours": "tab:green",
     "ours_coded": "tab:olive",
     "ours_raw": "tab:cyan",
+    "ours_deep": "tab:purple",
     "stock_graphs": "tab:red",
     "stock_eager": "tab:blue",
 }

@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm_graph_sleep.bench.client import Client, Completion
 from vllm_graph_sleep.bench.gpu import MemorySampler, MemorySource, settle, wait_released
-from vllm_graph_sleep.bench.server import Server, ServerError
+from vllm_graph_sleep.bench.server import CHECKPOINTED, Server, ServerError
 from vllm_graph_sleep.bench.settings import DECODE_PROMPT, PROMPTS, BenchSettings
 from vllm_graph_sleep.units import MiB
 
@@ -243,11 +243,13 @@ class Scenario:
         client = self.client
         step: dict[str, Any] = {"cycle": cycle, "level": level, "wake": wake}
         self._event("sleep", level=level)
-        step["sleep_s"] = client.sleep(level)
+        deep = self.name in CHECKPOINTED
+        step["sleep_s"] = client.sleep(level, checkpoint=deep)
         slept_at = time.monotonic()
         step["is_sleeping_asleep"] = client.is_sleeping()
         step["asleep_used_bytes"] = settle(self.memory)
-        step["asleep_report"] = self._report()
+        # A checkpointed engine runs nothing until its wake, the probe included.
+        step["asleep_report"] = None if deep else self._report()
         # The first driver call some time after a sleep pays work the driver deferred,
         # more the later it comes (H200 run 11), so how long each configuration stayed
         # asleep before its wake is part of comparing their wakes.

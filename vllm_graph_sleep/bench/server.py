@@ -35,6 +35,7 @@ CONFIG_ARGS: dict[str, tuple[str, ...]] = {
     "ours": ("--sleep-mode-offload-cudagraph",),
     "ours_coded": ("--sleep-mode-offload-cudagraph",),
     "ours_raw": ("--sleep-mode-offload-cudagraph",),
+    "ours_deep": ("--sleep-mode-offload-cudagraph",),
     "stock_graphs": (),
     "stock_eager": ("--enforce-eager",),
 }
@@ -45,10 +46,14 @@ CONFIG_ENV: dict[str, dict[str, str]] = {
     "ours_coded": {"VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "1"},
     "ours_raw": {"VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "0"},
 }
+#: Configurations whose sleeps ask for the CUDA driver's checkpoint too
+#: (`/sleep?checkpoint=1`, vllm_graph_sleep.deep_sleep_http).
+CHECKPOINTED = frozenset({"ours_deep"})
 CONFIG_LABELS = {
     "ours": "ours (graph offload)",
     "ours_coded": "ours, coded backups",
     "ours_raw": "ours, raw backups",
+    "ours_deep": "ours, checkpointed",
     "stock_graphs": "stock, graphs",
     "stock_eager": "stock, eager",
 }

@@ -6,9 +6,10 @@ import dataclasses
 from pathlib import Path
 
 CONFIGS = ("ours", "stock_graphs", "stock_eager")
-#: What --configs accepts: the default three, and ours with weight backups
-#: coded (the default on CUDA, opt-in on ROCm) or copied raw, whatever the default.
-ALL_CONFIGS = (*CONFIGS, "ours_coded", "ours_raw")
+#: What --configs accepts: the default three, ours with weight backups coded
+#: (the default on CUDA, opt-in on ROCm) or copied raw, whatever the default,
+#: and ours with every sleep checkpointed by the CUDA driver (deep sleep).
+ALL_CONFIGS = (*CONFIGS, "ours_coded", "ours_raw", "ours_deep")
 LEVELS = (1, 2)
 WAKES = ("full", "staged")
 
