@@ -217,10 +217,7 @@ def _plan(
     histogram = [sum(column) for column in zip(*counts, strict=True)] if counts else [0] * 256
     if not any(histogram):
         return CodedBackup(exponent_codec.build_table([1] + [0] * 255), pieces), []
-    # Every exponent gets a code, those that do not occur yet a long one: new
-    # weights loaded into some tensors (`recode`) often hold a rare exponent
-    # the old ones lacked (the tails of the distribution, values near zero).
-    backup = CodedBackup(exponent_codec.build_table([count or 1 for count in histogram]), pieces)
+    backup = CodedBackup(exponent_codec.build_table(histogram), pieces)
     return backup, _plans(backup, pairs, number, counts, list(range(len(pieces))))
 
 
@@ -433,11 +430,12 @@ def recode(
     items: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]], list[int]]],
 ) -> bool:
     """Backs up again the pieces numbered in each item (backup, its pairs,
-    piece indices), coded with the backup's own table where that pays (its
-    table has a code for every exponent), leaving its other pieces as the
-    host holds them, and waits for the copies. False, with nothing written,
-    when the coder cannot run or has no room: the caller backs the items up
-    again whole (`back_up`)."""
+    piece indices), coded where that pays with a table made from their own
+    counts (new weights often hold an exponent the old ones lacked, which the
+    allocation's table has no code for), leaving the other pieces as the host
+    holds them, with theirs; waits for the copies. False, with nothing
+    written, when the coder cannot run or has no room: the caller backs the
+    items up again whole (`back_up`)."""
     device = items[0][1][0][0].device
     if not prepare(device):
         return False
@@ -458,7 +456,10 @@ def recode(
             piece = backup.pieces[index]
             piece.coded = None
             piece.raw = pairs[piece.pair][1][piece.offset : piece.offset + piece.size]
-        coder.add(backup, _plans(backup, pairs, number, item_counts, indices), pairs, indices)
+        # The same pieces under the new table: what the coder codes them with.
+        histogram = [sum(column) for column in zip(*item_counts, strict=True)]
+        again = CodedBackup(exponent_codec.build_table(histogram), backup.pieces)
+        coder.add(again, _plans(again, pairs, number, item_counts, indices), pairs, indices)
     coder.finish()
     return True
 
@@ -543,16 +544,24 @@ class Restore:
 
     def _start(self, device: torch.device) -> exponent_codec.Restorer:
         # The decoder tables in one copy, before the first coded piece: one
-        # table per allocation, made at the sleep.
-        coded = [
-            backup
+        # per allocation, made at the sleep that coded it whole, and one per
+        # sleep that coded some of its pieces again.
+        pieces = [
+            piece.coded
             for backup in self._backups
-            if any(piece.coded is not None for piece in backup.pieces)
+            for piece in backup.pieces
+            if piece.coded is not None
         ]
-        tables = {backup.table: backup.lookup for backup in coded}
+        own = {backup.table: backup for backup in self._backups}  # their lookups made once
+        tables: dict[Table, torch.Tensor] = {}
+        for table in (coded.piece.table for coded in pieces):
+            if table not in tables:
+                made_at_sleep = own.get(table)
+                tables[table] = (
+                    made_at_sleep.lookup
+                    if made_at_sleep is not None
+                    else table.decoder_tensor(torch.device("cpu"))
+                )
         stacked = torch.stack(list(tables.values())).to(device)
         lookups = dict(zip(tables, stacked, strict=True))
-        pieces = [
-            piece.coded for backup in coded for piece in backup.pieces if piece.coded is not None
-        ]
         return exponent_codec.Restorer(pieces, lookups, device)

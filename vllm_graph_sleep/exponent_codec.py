@@ -29,7 +29,6 @@ follow one another. So the piece is:
 from __future__ import annotations
 
 import contextlib
-import heapq
 from dataclasses import dataclass
 
 import torch
@@ -77,48 +76,77 @@ class Table:
         return sum(count * length for count, length in zip(histogram, self.lengths, strict=True))
 
 
-def _huffman_lengths(counts: list[int]) -> list[int]:
-    lengths = [0] * len(counts)
-    heap = [(count, symbol, (symbol,)) for symbol, count in enumerate(counts) if count > 0]
-    if len(heap) == 1:
-        lengths[heap[0][1]] = 1
-        return lengths
-    heapq.heapify(heap)
-    tiebreak = len(counts)
-    while len(heap) > 1:
-        first, second = heapq.heappop(heap), heapq.heappop(heap)
-        for symbol in first[2] + second[2]:
-            lengths[symbol] += 1
-        heapq.heappush(heap, (first[0] + second[0], tiebreak, first[2] + second[2]))
-        tiebreak += 1
-    return lengths
+def _huffman_depths(weights: list[int]) -> list[int]:
+    """Code lengths of a Huffman code for `weights` (at least two, sorted
+    ascending): the two-queue construction, leaves in order and merged nodes in
+    the order they are made (which is ascending too), then each node's depth
+    from its parent's."""
+    count = len(weights)
+    node_weight = weights + [0] * (count - 1)
+    parent = [0] * (2 * count - 1)
+    leaf, merged = 0, count
+    for made in range(count, 2 * count - 1):
+        picked = []
+        for _ in range(2):
+            if merged < made and (leaf >= count or node_weight[merged] < node_weight[leaf]):
+                picked.append(merged)
+                merged += 1
+            else:
+                picked.append(leaf)
+                leaf += 1
+        node_weight[made] = node_weight[picked[0]] + node_weight[picked[1]]
+        parent[picked[0]] = parent[picked[1]] = made
+    depth = [0] * (2 * count - 1)
+    for node in range(2 * count - 3, -1, -1):
+        depth[node] = depth[parent[node]] + 1
+    return depth[:count]
 
 
-def _halved(counts: list[int], times: int) -> list[int]:
-    return [(count >> times) | 1 if count else 0 for count in counts]
+def _limited(per_length: list[int], limit: int) -> list[int]:
+    """Counts of codes per length (index = bits), rearranged so that none is
+    longer than `limit` and the code stays complete: two codes of the longest
+    length become one a bit shorter, and a code of the longest length below
+    that makes room for the other by splitting in two (JPEG, ITU T.81 Annex
+    K.3). Fits whenever 2**limit covers the symbols."""
+    per_length = per_length + [0] * max(0, limit + 1 - len(per_length))
+    for longest in range(len(per_length) - 1, limit, -1):
+        while per_length[longest]:
+            shorter = longest - 2
+            while per_length[shorter] == 0:
+                shorter -= 1
+            per_length[longest] -= 2
+            per_length[longest - 1] += 1
+            per_length[shorter + 1] += 2
+            per_length[shorter] -= 1
+    return per_length[: limit + 1]
 
 
 def build_table(histogram: list[int]) -> Table:
     """A canonical code for `histogram` (256 counts, at least one nonzero)
     whose codes are at most MAX_CODE_BITS long.
 
-    Rare symbols would get longer codes; halving every count s times (keeping
-    it nonzero) flattens the tree until they fit, at a cost that is negligible
-    for the skewed histograms this is for. The fewest halvings that fit are
-    found by bisection, a handful of Huffman runs (a sleep builds one table per
-    weight allocation): with as many halvings as the largest count has bits
-    every count is 1, and 256 symbols of count 1 need 8 bits."""
-    lengths = _huffman_lengths(histogram)
-    if max(lengths) > MAX_CODE_BITS:
-        short, fits = 0, max(histogram).bit_length()
-        lengths = _huffman_lengths(_halved(histogram, fits))
-        while fits - short > 1:
-            middle = (short + fits) // 2
-            candidate = _huffman_lengths(_halved(histogram, middle))
-            if max(candidate) <= MAX_CODE_BITS:
-                fits, lengths = middle, candidate
-            else:
-                short = middle
+    A Huffman code; where rare symbols would get longer codes than the limit,
+    the counts of codes per length are moved up to it as JPEG's encoders do
+    (`_limited`), the shortest codes going to the most frequent symbols. A
+    sleep builds one table per weight allocation it codes, and one per
+    allocation whose changed pieces it codes again: this is linear after one
+    sort (docs/design.md, "Coded weight backups", has its cost)."""
+    present = sorted((count, symbol) for symbol, count in enumerate(histogram) if count > 0)
+    lengths = [0] * len(histogram)
+    if len(present) == 1:
+        lengths[present[0][1]] = 1
+    else:
+        depths = _huffman_depths([count for count, _ in present])
+        per_length = [0] * (max(depths) + 1)
+        for depth in depths:
+            per_length[depth] += 1
+        per_length = _limited(per_length, MAX_CODE_BITS)
+        by_frequency = [symbol for _, symbol in reversed(present)]
+        at = 0
+        for length, how_many in enumerate(per_length):
+            for symbol in by_frequency[at : at + how_many]:
+                lengths[symbol] = length
+            at += how_many
     codes = [0] * len(lengths)
     code, previous = 0, 0
     for length, symbol in sorted((length, s) for s, length in enumerate(lengths) if length):

@@ -377,23 +377,26 @@ def test_a_coded_backup_is_cut_where_torch_placed_its_tensors(monkeypatch):
         assert torch.equal(driver.memory[weights], expected), step
 
 
-def test_an_exponent_the_first_weights_lacked_is_coded_with_the_same_table():
-    """Every table codes every exponent, so a piece coded again after an
-    update never needs a new table."""
+def test_an_exponent_the_first_weights_lacked_is_coded_with_a_table_of_the_pieces_own():
+    """The allocation's table has no code for an exponent its weights lacked:
+    the piece coded again gets a table made from its own counts, the other
+    piece keeps the allocation's, and the wake decodes each with its own."""
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
     driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=9))
     manager.sleep(offload_tags=("weights",))
     first = manager.allocations[weights].coded
-    assert all(first.table.lengths)
+    changing, untouched = first.pieces
+    huge = torch.tensor([3e38], dtype=torch.bfloat16)
+    assert first.table.lengths[huge.view(torch.int16).item() >> 7 & 0xFF] == 0
     manager.wake_up()
-    # A huge weight: its exponent never occurred in the allocation before.
-    driver.memory[weights][:2].copy_(torch.tensor([3e38], dtype=torch.bfloat16).view(torch.uint8))
+    driver.memory[weights][:2].copy_(huge.view(torch.uint8))
     expected = driver.memory[weights].clone()
     manager.sleep(offload_tags=("weights",))
     assert manager.last_backup().copied == {"weights": SIZE // 2}
     assert manager.allocations[weights].coded is first
-    assert all(piece.coded is not None for piece in first.pieces)
+    assert changing.coded is not None and changing.coded.piece.table != first.table
+    assert untouched.coded.piece.table == first.table
     manager.wake_up()
     assert torch.equal(driver.memory[weights], expected)
 

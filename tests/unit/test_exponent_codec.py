@@ -148,6 +148,20 @@ def test_the_code_is_canonical_prefix_free_and_within_the_length_limit():
     assert build_table([0] * 7 + [5] + [0] * 248).lengths[7] == 1
 
 
+def test_a_table_of_weights_is_within_a_tenth_of_a_bit_of_their_entropy():
+    # bf16 N(0, 0.02): what each exponent costs against the Shannon bound
+    # (a Huffman code is within one bit; with the length limit on the rare
+    # exponents it stays within 0.1 here).
+    import math
+
+    words = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)) * 0.02
+    histogram = exponent_codec.exponent_histogram(words.to(torch.bfloat16).view(torch.int16))
+    total = sum(histogram)
+    entropy = -sum(c / total * math.log2(c / total) for c in histogram if c)
+    bits = build_table(histogram).coded_bits(histogram) / total
+    assert entropy <= bits <= entropy + 0.1
+
+
 def test_bad_input_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="even number of bytes"):
         encode(torch.zeros(3, dtype=torch.uint8))
@@ -257,3 +271,22 @@ def test_an_allocation_of_4_gib_or_more_launches_the_variant_the_warm_up_compile
     binder = create_function_from_signature(real.signature, real.params, backend)
     warm_up, *first_sleep = (binder(*arguments, **c)[1] for arguments, c in launches)
     assert all(key == warm_up for key in first_sleep)
+
+
+def test_tables_of_random_histograms_are_complete_prefix_codes_within_the_limit():
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(200):
+        present = torch.rand(256, generator=generator) < torch.rand(1, generator=generator)
+        present[torch.randint(0, 256, (1,), generator=generator)] = True
+        scale = 2 ** torch.randint(0, 40, (256,), generator=generator).double()
+        counts = (torch.rand(256, generator=generator).double() * scale).long() + 1
+        histogram = (counts * present).tolist()
+        table = build_table(histogram)
+        assert all(
+            (length > 0) == (count > 0)
+            for length, count in zip(table.lengths, histogram, strict=True)
+        )
+        assert max(table.lengths) <= MAX_CODE_BITS
+        kraft = sum(2.0**-length for length in table.lengths if length)
+        assert kraft == 1.0 or (kraft == 0.5 and sum(present.tolist()) == 1)
+        assert is_prefix_free(table)
