@@ -6,9 +6,8 @@ the GPU too; a wake restores it first and then wakes as usual.
 The checkpoint API is called by a controller for another process: here the
 process that holds the engine client (vLLM's API server, or the process of an
 offline `vllm.LLM`), for the engine core process it started, where a TP=1
-engine's worker runs. Measured on an H200 (docs/results/checkpoint-h200.md):
-after our level-1 sleep the checkpointed engine holds nothing over the idle
-GPU, and restore + wake took 0.40 s.
+engine's worker runs. What the driver does with a sleeping engine, measured
+from a separate controller process: docs/results/checkpoint-h200.md.
 
 Refused, with the reason, where the driver cannot do it or we have not
 measured it: ROCm (no such API), a driver without it (before 570), an engine
