@@ -29,6 +29,11 @@ import time
 import weakref
 from typing import Any, Protocol
 
+from vllm_graph_sleep.cuda_checkpoint import (
+    CUDA_ERROR_NOT_INITIALIZED,
+    CheckpointDriver,
+    DriverCallError,
+)
 from vllm_graph_sleep.units import MiB, format_bytes
 
 #: How long the lock waits for the engine's CUDA work in flight.
@@ -164,8 +169,6 @@ class DeepSleep:
 
     @classmethod
     def load(cls) -> DeepSleep:
-        from vllm_graph_sleep.cuda_checkpoint import CheckpointDriver
-
         return cls(CheckpointDriver.load(), NvmlMemory())
 
     @property
@@ -186,6 +189,7 @@ class DeepSleep:
             ((device, held),) = used.items()
             started = time.perf_counter()
             try:
+                self._answering(pid)
                 self._driver.lock(pid, LOCK_TIMEOUT_MS)
             except Exception as error:
                 raise DeepSleepError(f"the driver would not lock pid {pid}: {error}") from error
@@ -199,6 +203,16 @@ class DeepSleep:
                 ) from error
             self.checkpointed = Checkpointed(pid, device, held, time.perf_counter() - started)
             return self.checkpointed
+
+    def _answering(self, pid: int) -> None:
+        """Makes the checkpoint calls answer about `pid`: a driver may want
+        cuInit in the controller first (it makes no context here)."""
+        try:
+            self._driver.state(pid)
+        except DriverCallError as error:
+            if error.result != CUDA_ERROR_NOT_INITIALIZED:
+                raise
+            self._driver.init()
 
     def _unlock_after(self, pid: int, error: Exception) -> None:
         try:

@@ -88,6 +88,15 @@ def test_a_checkpoint_and_a_restore_go_through_the_driver_states(engine_pid):
     assert int.from_bytes(lib.lock_args[0][:4], "little") == deep_sleep.LOCK_TIMEOUT_MS
 
 
+def test_a_driver_that_wants_cuinit_in_the_controller_gets_it_first(engine_pid):
+    lib = FakeLibcuda(needs_init=True)
+    deep, _ = controller(engine_pid, lib)
+    deep.checkpoint(engine_pid)
+    assert ("cuInit", None) in lib.calls and lib.states[engine_pid] == "checkpointed"
+    deep.restore()
+    assert lib.states[engine_pid] == "running"
+
+
 def test_a_wake_without_room_starts_no_restore_and_a_retry_with_room_succeeds(engine_pid):
     deep, lib = controller(engine_pid, free=HELD + RESTORE_HEADROOM - 1)
     deep.checkpoint(engine_pid)
