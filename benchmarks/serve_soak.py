@@ -59,17 +59,21 @@ def cycle(
     memory: MemorySource,
     reference: list[list[int]],
     max_tokens: int,
+    checkpoint: bool = False,
 ) -> dict[str, Any]:
     client = server.client
     level, kind = KINDS[(number - 1) % len(KINDS)]
     record: dict[str, Any] = {"cycle": number, "level": level, "wake": kind}
     started = time.perf_counter()
-    record["sleep_s"] = round(client.sleep(level), 4)
+    record["sleep_s"] = round(client.sleep(level, checkpoint=checkpoint), 4)
     record["is_sleeping_asleep"] = client.is_sleeping()
     record["asleep_mib"] = live.mib(settle(memory)[0])
-    asleep = client.memory_report()[0]
-    record["asleep_mapped_mib"] = live.mib(sum(t["mapped"] for t in asleep["tags"].values()))
-    record["host_backup_mib"] = live.mib(asleep.get("host_bytes", 0))
+    if checkpoint:  # a checkpointed engine runs nothing until its wake, the probe included
+        record["asleep_mapped_mib"] = record["host_backup_mib"] = None
+    else:
+        asleep = client.memory_report()[0]
+        record["asleep_mapped_mib"] = live.mib(sum(t["mapped"] for t in asleep["tags"].values()))
+        record["host_backup_mib"] = live.mib(asleep.get("host_bytes", 0))
     record["host_rss_asleep_mib"] = live.mib(sum(server.rss().values()))
     begin = time.perf_counter()
     wake(client, level, kind)
@@ -197,7 +201,7 @@ def run(
             results["awake_before_mib"] = live.mib(settle(memory)[0])
             results["host_rss_before_mib"] = live.mib(sum(server.rss().values()))
             for number in range(1, args.cycles + 1):
-                record = cycle(number, server, memory, reference, args.max_tokens)
+                record = cycle(number, server, memory, reference, args.max_tokens, args.checkpoint)
                 records.append(record)
                 live.write_json(results, args.out)
                 progress(
@@ -229,6 +233,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     live.add_arguments(parser, default_timeout=500)
     parser.add_argument("--cycles", type=int, default=100)
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="every sleep asks for the CUDA driver's checkpoint too (/sleep?checkpoint=1)",
+    )
     parser.add_argument(
         "--rss-tolerance-mib",
         type=float,

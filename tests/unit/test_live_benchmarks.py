@@ -353,6 +353,19 @@ def test_soak_cycles_alternate_and_stay_exact_and_flat(fake):
     fake.assert_all_stopped(results)
 
 
+def test_soak_with_every_sleep_checkpointed_holds_nothing_asleep(fake):
+    # Issue 39's 100 cycles through vllm serve with deep sleep: the fake's
+    # checkpointed server holds nothing over the idle GPU, and is not probed.
+    results = fake.soak_run("--cycles", "4", "--checkpoint")
+    assert results["ok"] is True
+    for record in results["results"]:
+        assert record["asleep_mib"] == IDLE / MiB
+        assert record["asleep_mapped_mib"] is None and record["host_backup_mib"] is None
+        assert record["exact"] is True and record["is_sleeping_awake"] is False
+    assert results["summary"]["asleep_mib"]["flat"] is True
+    fake.assert_all_stopped(results)
+
+
 def test_soak_wrong_tokens_are_reported_per_cycle(fake, monkeypatch):
     monkeypatch.setenv("FAKE_CORRUPT", "1")
     results = fake.soak_run("--cycles", "2")
