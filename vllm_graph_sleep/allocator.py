@@ -402,7 +402,7 @@ class GraphSleepAllocator:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
-            self._last_backup = self._backups.back_up(to_back_up, live)
+            self._last_backup = self._backups.back_up(to_back_up, live, clock)
         except Exception as error:
             # Copies already queued must not outlive the call: a later sleep that
             # drops these allocations, or shutdown, lets their buffers go (and a
@@ -415,7 +415,6 @@ class GraphSleepAllocator:
                 f"({format_bytes(sum(a.size for a in to_back_up))}) to host memory: {error}. "
                 f"Nothing was released; the engine is awake, but {RESUME_HINT}."
             ) from error
-        clock.lap(f"backup ({len(to_back_up)} allocations)")
 
         try:
             released = release_backed_up(self._driver, self._backups, to_back_up)

@@ -400,9 +400,10 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     ms = r"\d+\.\d ms"
     assert re.search(
         rf"\d\.\d{{3}} s \(freed allocations' host buffers {ms}, graph pool claimed {ms}, "
-        rf"cuBLAS workspaces {ms}, garbage and torch's cache {ms}, backup \(2 allocations\) "
-        rf"{ms}, release \(3 allocations\) {ms}, stack limit {ms}, host buffers given back "
-        rf"{ms}\)$",
+        rf"cuBLAS workspaces {ms}, garbage and torch's cache {ms}, backup of 2 allocations: "
+        rf"waiting for the device {ms}, host buffers {ms}, fingerprints {ms}, plan and raw "
+        rf"copies queued {ms}, copies {ms}, backup's scratch freed {ms}, release "
+        rf"\(3 allocations\) {ms}, stack limit {ms}, host buffers given back {ms}\)$",
         lines[0],
     ), lines[0]
     assert re.search(

@@ -318,11 +318,11 @@ def test_switching_coding_on_without_triton_fails_at_start_with_the_reason(monke
         make()
 
 
-def test_an_unchanged_coded_backup_is_kept_and_a_changed_piece_coded_again_alone():
+def test_an_unchanged_coded_backup_is_kept_and_a_changed_piece_coded_again_alone(caplog):
     """Issue 38: a coded backup is kept while its fingerprints match; when one
-    byte changed, the piece that holds it is coded again with the
-    allocation's table and the other piece stays as the host holds it; both
-    come back exact."""
+    byte changed, the piece that holds it is coded again and the other piece
+    stays as the host holds it; both come back exact, and the sleep's log
+    line says what its coding phase coded."""
     driver, manager = make(compress_backups=True)
     weights = allocate(driver, manager, "weights", SIZE)
     driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=4))
@@ -337,7 +337,10 @@ def test_an_unchanged_coded_backup_is_kept_and_a_changed_piece_coded_again_alone
     manager.wake_up()
     driver.memory[weights][SIZE - 3] ^= 0x01
     expected = driver.memory[weights].clone()
-    manager.sleep(offload_tags=("weights",))
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights",))
+    (line,) = [r.getMessage() for r in caplog.records if "graph-sleep sleep" in r.getMessage()]
+    assert re.search(r"coding \(0 allocations whole, 1 pieces again\) \d+\.\d ms", line), line
     assert manager.last_backup().copied == {"weights": SIZE // 2}
     assert manager.last_backup().kept == {"weights": SIZE // 2}
     assert manager.allocations[weights].coded is first

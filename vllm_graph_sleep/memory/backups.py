@@ -220,14 +220,18 @@ class Backups:
         return live
 
     def back_up(
-        self, allocations: list[Allocation], live: dict[int, list[tuple[int, int]]]
+        self,
+        allocations: list[Allocation],
+        live: dict[int, list[tuple[int, int]]],
+        clock: PhaseClock | None = None,
     ) -> BackupCount:
         """Copies `allocations` to pinned host buffers and waits for the copies;
         `live`: the ranges to copy of graph-pool segments (live_ranges). With
         keep_unchanged, the blocks whose fingerprint equals that of the backup
         an allocation's host buffer still holds are not copied again; of a
         coded backup, the pieces with a changed block are coded again with the
-        allocation's table. Returns what was copied and what was kept.
+        allocation's table. Returns what was copied and what was kept;
+        `clock` gets a lap per phase (issue 38: where a sleep's time goes).
 
         The driver makes each buffer the exact size needed, registered with
         cudaHostRegister, or from torch's pinned allocator (rounded up to a
@@ -238,17 +242,21 @@ class Backups:
         On failure no host buffer of `allocations` is trusted any more: a copy
         may have written part of it."""
         try:
-            return self._back_up(allocations, live)
+            return self._back_up(allocations, live, clock or PhaseClock())
         except BaseException:
             for allocation in allocations:
                 allocation.fingerprints = None
             raise
 
     def _back_up(
-        self, allocations: list[Allocation], live: dict[int, list[tuple[int, int]]]
+        self,
+        allocations: list[Allocation],
+        live: dict[int, list[tuple[int, int]]],
+        clock: PhaseClock,
     ) -> BackupCount:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
+        clock.lap(f"backup of {len(allocations)} allocations: waiting for the device")
         count = BackupCount()
         pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for allocation in allocations:
@@ -265,7 +273,9 @@ class Backups:
                 allocation.drop_host()
                 allocation.host = self._driver.host_buffer(needed)
             pairs_of[allocation.address] = self.pairs(allocation)
+        clock.lap("host buffers")
         now = self._fingerprints(allocations, pairs_of)
+        clock.lap("fingerprints")
         copied: dict[int, int] = {}
         # Per device: coded backups to code again whole, and pieces of others.
         to_code: dict[int, list[Allocation]] = {}
@@ -296,9 +306,13 @@ class Backups:
                 for device_range, host_range in spans:
                     host_range.copy_(device_range, non_blocking=True)
                 copied[allocation.address] = sum(d.numel() for d, _ in spans)
+        clock.lap("plan and raw copies queued")
         if to_code or to_recode:
             # Imported here: it brings Triton, which nothing else needs.
             from vllm_graph_sleep import coded_backup
+
+            pieces = sum(len(p) for _, p in itertools.chain.from_iterable(to_recode.values()))
+            whole = sum(map(len, to_code.values()))
 
             for device, recoding in to_recode.items():
                 items = [(a.coded, pairs_of[a.address], pieces) for a, pieces in recoding]
@@ -313,15 +327,18 @@ class Backups:
                 )
                 for allocation, backup in zip(coding, backups, strict=True):
                     allocation.coded = backup
+            clock.lap(f"coding ({whole} allocations whole, {pieces} pieces again)")
         for allocation in allocations:
             add(count.copied, allocation.tag, copied[allocation.address])
             add(count.kept, allocation.tag, allocation.backup_bytes() - copied[allocation.address])
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
+        clock.lap("copies")
         if to_code or to_recode or now:
             # The coder's scratch and the fingerprints' device copy, cached by
             # torch outside our pools.
             self._driver.release_cached_memory(collect_garbage=False)
+            clock.lap("backup's scratch freed")
         for allocation in allocations:
             allocation.has_backup = True
         return count
