@@ -18,6 +18,11 @@ weights are back, after the full wake or between the stages):
 
     python benchmarks/wake_pressure.py --out docs/results/pressure-h200.json
 
+With --checkpoint every sleep asks for the CUDA driver's checkpoint too (deep
+sleep, issue 39): the first wake of each case must then find no room for the
+restore, answer an error and leave the engine asleep and checkpointed (the
+probe cannot run while it is); the rest is as above.
+
 The JSON (rewritten after every case, and on any failure) holds the environment
 and "cases": per case level, wake, status (of the refused wake), still_sleeping,
 retry_status, retry_exact, and the details behind them; "ok" is the verdict.
@@ -40,6 +45,7 @@ from vllm_graph_sleep.bench import live
 from vllm_graph_sleep.bench.gpu import MemorySource, NoGpuError, settle, wait_released
 from vllm_graph_sleep.bench.runner import Progress
 from vllm_graph_sleep.bench.server import ServerError
+from vllm_graph_sleep.deep_sleep import RESTORE_HEADROOM
 from vllm_graph_sleep.testing import PROMPTS, model_dir
 from vllm_graph_sleep.units import GiB, MiB
 
@@ -212,12 +218,14 @@ class Run:
         self.reference: list[list[int]] = []
         self.awake_tags: dict[str, dict[str, int]] = {}
 
-    def blocked_wake(self, stage: str) -> dict[str, Any]:
+    def blocked_wake(self, stage: str, checkpointed: bool = False) -> dict[str, Any]:
         """One wake stage while the second process holds the memory, and the
-        state of the server right after it, still under pressure."""
+        state of the server right after it, still under pressure. A
+        `checkpointed` engine runs nothing, the probe included: what its wake
+        needs first is room for the restore, and it must stay checkpointed."""
         result: dict[str, Any] = {}
-        need = wake_need(self.awake_tags, stage)
-        before = self.client.memory_report()[0]["tags"]
+        need = RESTORE_HEADROOM if checkpointed else wake_need(self.awake_tags, stage)
+        before = None if checkpointed else self.client.memory_report()[0]["tags"]
         used_before = settle(self.memory)
         result["used_before_mib"] = live.mib(used_before[0])
         hog = Hog(self.hog_command, self.args.out.with_suffix(".hog.log"))
@@ -231,7 +239,10 @@ class Run:
             status, error, seconds = attempt(lambda: self.client.wake_up(STAGE_TAGS[stage]))
             result.update(status=status, error=error, failed_wake_s=round(seconds, 3))
             result["server_alive"] = self.server.alive()
-            if result["server_alive"]:
+            if result["server_alive"] and checkpointed:
+                result["still_sleeping"] = self.client.is_sleeping()
+                result["still_checkpointed"] = self.client.checkpointed()
+            elif result["server_alive"]:
                 result["still_sleeping"] = self.client.is_sleeping()
                 after = self.client.memory_report()[0]["tags"]
                 result["backups_intact"] = after == before
@@ -251,10 +262,12 @@ class Run:
     def case(self, level: int, wake: str, record: dict[str, Any]) -> None:
         client = self.client
         started = time.perf_counter()
-        client.sleep(level)
+        checkpoint = self.args.checkpoint
+        client.sleep(level, checkpoint=checkpoint)
         record["asleep"] = client.is_sleeping()
+        record["checkpointed"] = checkpoint
         first = "full" if wake == "full" else "weights"
-        record.update(self.blocked_wake(first))
+        record.update(self.blocked_wake(first, checkpointed=checkpoint))
         if not record["server_alive"]:
             return
         record["retry_status"], record["retry_error"], _ = attempt(
@@ -305,7 +318,10 @@ def problems(record: dict[str, Any]) -> list[str]:
         for key, want in (("server_alive", True), ("still_sleeping", True)):
             if record.get(prefix + key) is not want:
                 found.append(f"{what}: {key} is {record.get(prefix + key)}, want {want}")
-        if record.get(prefix + "backups_intact") is not True:
+        if prefix == "" and record.get("checkpointed"):
+            if record.get("still_checkpointed") is not True:
+                found.append(f"{what}: the engine is no longer checkpointed after the refused wake")
+        elif record.get(prefix + "backups_intact") is not True:
             found.append(f"{what}: the allocator's report changed across the refused wake")
         if record.get(prefix + "retry_status") != 200:
             found.append(
@@ -399,6 +415,13 @@ def hog_command(args: argparse.Namespace) -> list[str]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     live.add_arguments(parser, default_timeout=500)
+    parser.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="every sleep asks for the CUDA driver's checkpoint too (/sleep?checkpoint=1): "
+        "the first wake of each case must find no room for the restore, answer an error and "
+        "leave the engine checkpointed",
+    )
     parser.add_argument(
         "--hog-margin-mib",
         type=int,

@@ -20,6 +20,7 @@ import pytest
 from benchmarks import serve_soak, wake_pressure
 from tests.unit.fake_vllm_server import IDLE, SIZES, TOTAL
 from vllm_graph_sleep.bench import gpu, live
+from vllm_graph_sleep.deep_sleep import RESTORE_HEADROOM
 from vllm_graph_sleep.units import MiB
 
 HERE = Path(__file__).parent
@@ -155,6 +156,25 @@ def test_pressure_every_case_is_refused_then_retried_exactly(fake):
     assert environment["gpu_name"] == "Fake GPU" and environment["vllm"] == "0.26.0"
     assert results["reference"] and len(results["reference"]) == len(results["prompts"])
     assert "case 4/4: level 2, staged wake" in "\n".join(fake.lines)
+    fake.assert_all_stopped(results)
+
+
+def test_pressure_with_deep_sleep_refuses_the_restore_and_stays_checkpointed(fake):
+    # Issue 39: a checkpointed engine's first wake finds no room for the
+    # restore, answers 503 and stays asleep and checkpointed; the retry after
+    # the second process left restores and wakes, exactly; a staged case's
+    # kv_cache stage is an ordinary refused wake of the restored engine.
+    results = fake.pressure_run("--checkpoint")
+    assert results["ok"] is True, [c["problems"] for c in results["cases"]]
+    for case in results["cases"]:
+        assert case["checkpointed"] is True
+        assert case["status"] == 503 and case["retry_status"] == 200
+        assert case["still_sleeping"] and case["still_checkpointed"] and case["retry_exact"]
+        assert case["need_mib"] == RESTORE_HEADROOM / MiB and case["pressure"] is True
+        assert "backups_intact" not in case
+        if case["wake"] == "staged":
+            assert (case["kv_status"], case["kv_retry_status"]) == (500, 200)
+            assert case["kv_backups_intact"]
     fake.assert_all_stopped(results)
 
 

@@ -174,6 +174,10 @@ class Client:
         answer = self._request("GET", "/is_sleeping")
         return bool(answer["is_sleeping"])
 
+    def checkpointed(self) -> bool:
+        """Whether the engine is asleep and checkpointed (deep sleep)."""
+        return self._request("GET", "/is_sleeping").get("checkpointed") is True
+
     def collective_rpc(self, method: str, timeout: float | None = None) -> list[Any]:
         body: dict[str, Any] = {"method": method}
         if timeout is not None:
