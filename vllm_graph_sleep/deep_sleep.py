@@ -181,6 +181,11 @@ class DeepSleep:
             if self.checkpointed is not None:
                 raise DeepSleepError(f"pid {self.checkpointed.pid} is already checkpointed")
             used = self._memory.process_bytes(pid)
+            if not used:
+                raise DeepSleepRefused(
+                    f"NVML lists no GPU memory of pid {pid} (is NVML's pid namespace another "
+                    "one?): the room a restore needs cannot be known, so nothing is checkpointed"
+                )
             if len(used) != 1:
                 raise DeepSleepRefused(
                     f"pid {pid} holds a context on {len(used)} GPUs ({sorted(used)}); "

@@ -131,6 +131,13 @@ def test_a_failed_restore_that_leaves_the_checkpoint_can_be_retried(engine_pid):
     assert lib.states[engine_pid] == "running"
 
 
+def test_a_process_nvml_does_not_list_is_refused_before_any_driver_call(engine_pid):
+    deep = DeepSleep(CheckpointDriver(FakeLibcuda()), FakeMemory({}, 0))
+    with pytest.raises(DeepSleepRefused, match="NVML lists no GPU memory"):
+        deep.checkpoint(engine_pid)
+    assert deep._driver._lib.calls == []
+
+
 def test_a_process_on_two_gpus_is_refused_before_any_driver_call(engine_pid):
     deep = DeepSleep(CheckpointDriver(FakeLibcuda()), FakeMemory({engine_pid: {0: 1, 1: 1}}, 0))
     with pytest.raises(DeepSleepRefused, match="2 GPUs"):
