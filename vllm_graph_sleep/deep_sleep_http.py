@@ -13,11 +13,14 @@
   vLLM's answer as stock gives it.
 - Any other POST while checkpointed gets 409: what reaches the engine's GPU
   would wait on the driver's lock until the wake.
+- At the server's shutdown a checkpointed engine is restored first, so that
+  vLLM stops an engine core that runs again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from starlette.datastructures import QueryParams
@@ -33,6 +36,8 @@ from vllm_graph_sleep.deep_sleep import (
     refusal,
 )
 from vllm_graph_sleep.settings import parse_yes_no
+
+logger = logging.getLogger("vllm.graph_sleep")
 
 SLEEP_PATH = "/sleep"
 WAKE_UP_PATH = "/wake_up"
@@ -79,6 +84,9 @@ class DeepSleepEndpoints:
         return self._controller is not None and self._controller.checkpointed is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._restoring_at_shutdown(receive), send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -121,6 +129,22 @@ class DeepSleepEndpoints:
             await self._refuse_while_checkpointed(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _restoring_at_shutdown(self, receive: Receive) -> Receive:
+        """The server's lifespan messages, a checkpointed engine restored
+        before shutdown goes on: vLLM then stops an engine core that runs
+        again, not one the driver holds locked."""
+
+        async def receive_restoring() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown" and self.checkpointed:
+                try:
+                    await asyncio.to_thread(self._controller.restore)
+                except DeepWakeError as error:
+                    logger.error("graph-sleep: at shutdown, the engine was not restored: %s", error)
+            return message
+
+        return receive_restoring
 
     async def _refuse_while_checkpointed(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _error(

@@ -231,6 +231,14 @@ def test_a_wake_without_room_answers_503_and_the_engine_stays_asleep(engine_pid,
     assert engine.calls[-1] == ("wake_up", None) and lib.states[engine_pid] == "running"
 
 
+def test_a_server_shut_down_checkpointed_restores_the_engine_first(engine_pid, monkeypatch):
+    client, engine, deep, lib = http(engine_pid, monkeypatch)
+    with client:  # the server's lifespan: startup now, shutdown at the end
+        assert client.post("/sleep?checkpoint=1").status_code == 200
+        assert lib.states[engine_pid] == "checkpointed"
+    assert lib.states[engine_pid] == "running" and deep.checkpointed is None
+
+
 def test_a_refused_deep_sleep_does_not_sleep(engine_pid, monkeypatch):
     client, engine, _, lib = http(engine_pid, monkeypatch, world_size=2)
     response = client.post("/sleep?level=1&checkpoint=1")
