@@ -289,6 +289,8 @@ def sleep(llm: Any, level: int = 1, controller: DeepSleep | None = None) -> Chec
     one. Raises DeepSleepRefused (nothing done) where that cannot be done,
     DeepSleepError (asleep at `level`, not checkpointed) where the driver
     refused. `controller`: the one to use (default: this LLM's, made now)."""
+    if level not in (1, 2):
+        raise DeepSleepRefused(f"deep sleep needs a sleep level of 1 or 2, not {level!r}")
     engine = llm.llm_engine
     pids = engine_core_pids(engine)
     world_size = engine.vllm_config.parallel_config.world_size

@@ -117,6 +117,12 @@ class DeepSleepEndpoints:
             if self.checkpointed:
                 await self._refuse_while_checkpointed(scope, receive, send)
                 return
+            if deep and params.get("level", "1") == "0":
+                # Level 0 keeps everything on the GPU: the checkpoint would move it all.
+                await _error(400, f"{CHECKPOINT_PARAM}=1 needs a sleep level of 1 or 2")(
+                    scope, receive, send
+                )
+                return
             if deep:
                 async with self._transition:
                     await self._deep_sleep(scope, receive, send)

@@ -247,7 +247,9 @@ def test_a_refused_deep_sleep_does_not_sleep(engine_pid, monkeypatch):
     assert engine.calls == [] and lib.calls == []
 
 
-@pytest.mark.parametrize("query", ["checkpoint=maybe", "checkpoint=1&checkpoint=1"])
+@pytest.mark.parametrize(
+    "query", ["checkpoint=maybe", "checkpoint=1&checkpoint=1", "level=0&checkpoint=1"]
+)
 def test_a_bad_checkpoint_value_is_rejected_before_the_engine(engine_pid, monkeypatch, query):
     client, engine, _, _ = http(engine_pid, monkeypatch)
     assert client.post(f"/sleep?{query}").status_code == 400
@@ -300,6 +302,14 @@ def test_an_llm_sleeps_deep_and_wakes_staged(engine_pid):
     assert not deep_sleep.is_checkpointed(llm) and lib.states[engine_pid] == "running"
     deep_sleep.wake_up(llm, tags=["kv_cache"])
     assert llm.calls == [("sleep", 2), ("wake_up", ["weights"]), ("wake_up", ["kv_cache"])]
+
+
+def test_an_llm_at_level_0_is_refused_before_it_sleeps(engine_pid):
+    deep, lib = controller(engine_pid)
+    llm = FakeLLM(EngineWithCore(engine_pid))
+    with pytest.raises(DeepSleepRefused, match="level of 1 or 2"):
+        deep_sleep.sleep(llm, level=0, controller=deep)
+    assert llm.calls == [] and lib.calls == []
 
 
 def test_an_llm_whose_engine_runs_in_this_process_is_refused_before_it_sleeps(engine_pid):
