@@ -51,6 +51,14 @@ def _error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
+def _level(params: QueryParams) -> int | None:
+    """The sleep level as vLLM's handler reads it (None: not a number)."""
+    try:
+        return int(params.get("level", "1"))
+    except ValueError:
+        return None
+
+
 class _Buffered:
     """An inner app's response, kept until the middleware decides what goes out."""
 
@@ -117,7 +125,7 @@ class DeepSleepEndpoints:
             if self.checkpointed:
                 await self._refuse_while_checkpointed(scope, receive, send)
                 return
-            if deep and params.get("level", "1") == "0":
+            if deep and _level(params) == 0:
                 # Level 0 keeps everything on the GPU: the checkpoint would move it all.
                 await _error(400, f"{CHECKPOINT_PARAM}=1 needs a sleep level of 1 or 2")(
                     scope, receive, send

@@ -248,7 +248,13 @@ def test_a_refused_deep_sleep_does_not_sleep(engine_pid, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "query", ["checkpoint=maybe", "checkpoint=1&checkpoint=1", "level=0&checkpoint=1"]
+    "query",
+    [
+        "checkpoint=maybe",
+        "checkpoint=1&checkpoint=1",
+        "level=0&checkpoint=1",
+        "level=00&checkpoint=1",
+    ],
 )
 def test_a_bad_checkpoint_value_is_rejected_before_the_engine(engine_pid, monkeypatch, query):
     client, engine, _, _ = http(engine_pid, monkeypatch)
