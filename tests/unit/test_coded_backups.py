@@ -337,6 +337,7 @@ def test_an_unchanged_coded_backup_is_kept_and_a_changed_piece_coded_again_alone
     manager.wake_up()
     driver.memory[weights][SIZE - 3] ^= 0x01
     expected = driver.memory[weights].clone()
+    caplog.clear()  # the lines of the sleeps before, where the logger already logs INFO
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("weights",))
     (line,) = [r.getMessage() for r in caplog.records if "graph-sleep sleep" in r.getMessage()]
