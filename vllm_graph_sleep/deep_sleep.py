@@ -155,6 +155,35 @@ def refusal(
     return None
 
 
+def _is_rocm() -> bool:
+    import torch
+
+    return torch.version.hip is not None
+
+
+def controller_for(
+    engine_client: Any, api_servers: int = 1, controller: DeepSleep | None = None
+) -> tuple[DeepSleep | None, str | None]:
+    """The controller for `engine_client` (`controller` if given, else one made
+    now) and why deep sleep cannot be done for it (None: it can)."""
+    parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+    world_size = getattr(parallel, "world_size", 1)
+    pids = engine_core_pids(engine_client)
+    if _is_rocm():
+        return controller, refusal(pids, world_size, api_servers, is_rocm=True)
+    load_error = None
+    if controller is None:
+        try:
+            controller = DeepSleep.load()
+        except Exception as error:  # no libcuda or no NVML: said in the refusal
+            load_error = f"{type(error).__name__}: {error}"
+    missing = None if controller is None else controller.missing_calls
+    why = refusal(pids, world_size, api_servers, missing_calls=missing)
+    if why is not None and load_error is not None:
+        why = f"{why} ({load_error})"
+    return controller, why
+
+
 class DeepSleep:
     """The controller of one engine core process: checkpoints it after a sleep
     and restores it before a wake. One per engine client; its calls block
@@ -278,12 +307,6 @@ class DeepSleep:
 _controllers: weakref.WeakKeyDictionary[Any, DeepSleep] = weakref.WeakKeyDictionary()
 
 
-def _is_rocm() -> bool:
-    import torch
-
-    return torch.version.hip is not None
-
-
 def sleep(llm: Any, level: int = 1, controller: DeepSleep | None = None) -> Checkpointed:
     """`llm.sleep(level)`, then the engine core process checkpointed by this
     one. Raises DeepSleepRefused (nothing done) where that cannot be done,
@@ -291,26 +314,15 @@ def sleep(llm: Any, level: int = 1, controller: DeepSleep | None = None) -> Chec
     refused. `controller`: the one to use (default: this LLM's, made now)."""
     if level not in (1, 2):
         raise DeepSleepRefused(f"deep sleep needs a sleep level of 1 or 2, not {level!r}")
-    engine = llm.llm_engine
-    pids = engine_core_pids(engine)
-    world_size = engine.vllm_config.parallel_config.world_size
-    missing: list[str] | None = None
-    if not _is_rocm():
-        controller = controller or _controllers.get(llm)
-        if controller is None:
-            try:
-                controller = DeepSleep.load()
-            except Exception as error:  # no libcuda or no NVML
-                raise DeepSleepRefused(f"deep sleep refused: {error}") from error
-        missing = controller.missing_calls
-    why = refusal(pids, world_size, 1, _is_rocm(), missing)
+    controller, why = controller_for(llm.llm_engine, controller=controller or _controllers.get(llm))
     if why is not None:
         raise DeepSleepRefused(f"deep sleep refused: {why}")
     _controllers[llm] = controller
     if controller.checkpointed is not None:
         raise DeepSleepError("the engine is already checkpointed: wake_up first")
     llm.sleep(level=level)
-    return controller.checkpoint(pids[0])
+    (pid,) = engine_core_pids(llm.llm_engine)
+    return controller.checkpoint(pid)
 
 
 def wake_up(llm: Any, tags: list[str] | None = None) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from starlette.datastructures import QueryParams
 from starlette.responses import JSONResponse
@@ -32,8 +31,8 @@ from vllm_graph_sleep.deep_sleep import (
     DeepSleepError,
     DeepSleepRefused,
     DeepWakeError,
+    controller_for,
     engine_core_pids,
-    refusal,
 )
 from vllm_graph_sleep.settings import parse_yes_no
 
@@ -84,7 +83,6 @@ class DeepSleepEndpoints:
     def __init__(self, app: ASGIApp, controller: DeepSleep | None = None) -> None:
         self.app = app
         self._controller = controller  # made at the first deep sleep asked for
-        self._load_error: str | None = None
         self._transition: asyncio.Lock | None = None
 
     @property
@@ -166,32 +164,12 @@ class DeepSleepEndpoints:
             "the engine is asleep and checkpointed by the CUDA driver: POST /wake_up first",
         )(scope, receive, send)
 
-    def _why_not(self, state: Any) -> str | None:
-        engine = getattr(state, "engine_client", None)
-        config = getattr(engine, "vllm_config", None)
-        parallel = getattr(config, "parallel_config", None)
-        world_size = getattr(parallel, "world_size", 1)
-        args = getattr(state, "args", None)
-        api_servers = getattr(args, "api_server_count", None) or 1
-        import torch
-
-        is_rocm = torch.version.hip is not None
-        missing = None
-        if not is_rocm:
-            if self._controller is None and self._load_error is None:
-                try:
-                    self._controller = DeepSleep.load()
-                except Exception as error:  # no libcuda or no NVML: said in the refusal
-                    self._load_error = f"{type(error).__name__}: {error}"
-            missing = None if self._controller is None else self._controller.missing_calls
-        why = refusal(engine_core_pids(engine), world_size, api_servers, is_rocm, missing)
-        if why is not None and missing is None and self._load_error:
-            why = f"{why} ({self._load_error})"
-        return why
-
     async def _deep_sleep(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope["app"].state
-        why = self._why_not(state)
+        args = getattr(state, "args", None)
+        self._controller, why = controller_for(
+            state.engine_client, getattr(args, "api_server_count", None) or 1, self._controller
+        )
         if why is not None:
             await _error(409, f"deep sleep refused: {why}")(scope, receive, send)
             return
