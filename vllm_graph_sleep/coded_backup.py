@@ -185,6 +185,15 @@ def _histograms(chunks: list[list[torch.Tensor]], device: torch.device) -> list[
     return per_allocation
 
 
+def _counted(chunks: list[list[torch.Tensor]], device: torch.device) -> tuple[list, _Coder]:
+    """The exponent counts of the pieces in `chunks` (per allocation, their
+    device bytes) and a coder with scratch for them; OutOfMemoryError where
+    the device has no room for either."""
+    counts = _histograms(chunks, device)
+    largest = max(chunk.numel() for chunk in itertools.chain.from_iterable(chunks))
+    return counts, _Coder(device, len(chunks), sum(map(len, chunks)), largest // 2)
+
+
 def _plans(
     backup: CodedBackup,
     pairs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -403,9 +412,7 @@ def _code(
                 [p.on_device(pairs) for p in own]
                 for pairs, own in zip(allocations, pieces, strict=True)
             ]
-            counts = _histograms(chunks, device)
-            largest = max(piece.size for own in pieces for piece in own)
-            coder = _Coder(device, len(allocations), sum(map(len, counts)), largest // 2)
+            counts, coder = _counted(chunks, device)
         except torch.OutOfMemoryError as error:
             if not fall_back:
                 raise
@@ -444,9 +451,7 @@ def recode(
             [backup.pieces[index].on_device(pairs) for index in indices]
             for backup, pairs, indices in items
         ]
-        counts = _histograms(chunks, device)
-        largest = max(c.numel() for c in itertools.chain.from_iterable(chunks))
-        coder = _Coder(device, len(items), sum(map(len, chunks)), largest // 2)
+        counts, coder = _counted(chunks, device)
     except torch.OutOfMemoryError as error:
         _short_of_memory(error)
         return False

@@ -229,8 +229,8 @@ class Backups:
         `live`: the ranges to copy of graph-pool segments (live_ranges). With
         keep_unchanged, the blocks whose fingerprint equals that of the backup
         an allocation's host buffer still holds are not copied again; of a
-        coded backup, the pieces with a changed block are coded again with the
-        allocation's table. Returns what was copied and what was kept;
+        coded backup, the pieces with a changed block are coded again (with a
+        table of their own counts). Returns what was copied and what was kept;
         `clock` gets a lap per phase (issue 38: where a sleep's time goes).
 
         The driver makes each buffer the exact size needed, registered with
@@ -311,23 +311,24 @@ class Backups:
             # Imported here: it brings Triton, which nothing else needs.
             from vllm_graph_sleep import coded_backup
 
-            pieces = sum(len(p) for _, p in itertools.chain.from_iterable(to_recode.values()))
-            whole = sum(map(len, to_code.values()))
-
+            recoded = 0
             for device, recoding in to_recode.items():
                 items = [(a.coded, pairs_of[a.address], pieces) for a, pieces in recoding]
-                if not coded_backup.recode(items):
-                    for allocation, _ in recoding:
-                        allocation.coded = None
-                        to_code.setdefault(device, []).append(allocation)
-                        copied[allocation.address] = allocation.backup_bytes()
+                if coded_backup.recode(items):
+                    recoded += sum(len(pieces) for _, pieces in recoding)
+                    continue
+                for allocation, _ in recoding:
+                    allocation.coded = None
+                    to_code.setdefault(device, []).append(allocation)
+                    copied[allocation.address] = allocation.backup_bytes()
             for coding in to_code.values():
                 backups = coded_backup.back_up(
                     [pairs_of[a.address] for a in coding], self._tensor_starts(coding)
                 )
                 for allocation, backup in zip(coding, backups, strict=True):
                     allocation.coded = backup
-            clock.lap(f"coding ({whole} allocations whole, {pieces} pieces again)")
+            whole = sum(map(len, to_code.values()))
+            clock.lap(f"coding ({whole} allocations whole, {recoded} pieces again)")
         for allocation in allocations:
             add(count.copied, allocation.tag, copied[allocation.address])
             add(count.kept, allocation.tag, allocation.backup_bytes() - copied[allocation.address])
