@@ -239,11 +239,11 @@ class Run:
             status, error, seconds = attempt(lambda: self.client.wake_up(STAGE_TAGS[stage]))
             result.update(status=status, error=error, failed_wake_s=round(seconds, 3))
             result["server_alive"] = self.server.alive()
-            if result["server_alive"] and checkpointed:
+            if result["server_alive"]:
                 result["still_sleeping"] = self.client.is_sleeping()
+            if result["server_alive"] and checkpointed:
                 result["still_checkpointed"] = self.client.checkpointed()
             elif result["server_alive"]:
-                result["still_sleeping"] = self.client.is_sleeping()
                 after = self.client.memory_report()[0]["tags"]
                 result["backups_intact"] = after == before
                 if after != before:

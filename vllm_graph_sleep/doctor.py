@@ -560,12 +560,10 @@ def deep_sleep_state(engine_args: Any, platform: Any, environ: MutableMapping[st
     pids = (
         None if in_process else [-1 - rank for rank in range(engine_args.data_parallel_size or 1)]
     )
-    missing = None
+    missing = None  # also where libcuda cannot be loaded
     if not platform.is_rocm():
-        try:
+        with contextlib.suppress(OSError):
             missing = CheckpointDriver.load().missing
-        except OSError:
-            missing = None
     why = deep_sleep.refusal(pids, world, 1, platform.is_rocm(), missing)
     if why is not None:
         return f"not available: {why} (checked on this machine)"
