@@ -39,6 +39,14 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(coded_backup, "_warned_short_of_memory", False)
 
 
+def coded_weights(seed: int) -> tuple[FakeVmmDriver, GraphSleepAllocator, int]:
+    """An allocator that codes backups, with one allocation of bf16 weights."""
+    driver, manager = make(compress_backups=True)
+    weights = allocate(driver, manager, "weights", SIZE)
+    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=seed))
+    return driver, manager, weights
+
+
 @pytest.fixture
 def first_use(monkeypatch):
     """A process whose coder was never used: its first use is still to come."""
@@ -87,9 +95,7 @@ def test_a_coded_piece_that_does_not_decode_to_its_original_is_kept_raw(monkeypa
 
 
 def every_piece_is_kept_raw_with_an_error(caplog, seed, reason):
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=seed))
+    driver, manager, weights = coded_weights(seed=seed)
     expected = driver.memory[weights].clone()
     with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("weights",))
@@ -167,9 +173,7 @@ def test_a_sleep_without_device_memory_for_the_counts_backs_up_raw(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(exponent_codec, "add_piece_histograms", counts_on_a_full_device)
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=6))
+    driver, manager, weights = coded_weights(seed=6)
     expected = driver.memory[weights].clone()
     manager.sleep(offload_tags=("weights",))
     assert all(piece.coded is None for piece in manager.allocations[weights].coded.pieces)
@@ -188,9 +192,7 @@ def test_a_coder_that_fails_its_first_use_leaves_every_backup_raw(monkeypatch, c
         raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
 
     monkeypatch.setattr(exponent_codec, "count_lanes", a_compiler_that_cannot_run)
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=8))
+    driver, manager, weights = coded_weights(seed=8)
     expected = driver.memory[weights].clone()
     for _ in range(2):
         with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
@@ -243,9 +245,7 @@ def test_the_coder_is_compiled_and_checked_at_warm_up_not_at_the_first_sleep(mon
 
 
 def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=4))
+    driver, manager, weights = coded_weights(seed=4)
     manager.sleep(offload_tags=("weights",))
     manager.wake_up()
     assert manager.allocations[weights].coded is not None  # kept with its buffer for reuse
@@ -323,9 +323,7 @@ def test_an_unchanged_coded_backup_is_kept_and_a_changed_piece_coded_again_alone
     byte changed, the piece that holds it is coded again and the other piece
     stays as the host holds it; both come back exact, and the sleep's log
     line says what its coding phase coded."""
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=4))
+    driver, manager, weights = coded_weights(seed=4)
     manager.sleep(offload_tags=("weights",))
     first = manager.allocations[weights].coded
     untouched, changing = first.pieces
@@ -385,9 +383,7 @@ def test_an_exponent_the_first_weights_lacked_is_coded_with_a_table_of_the_piece
     """The allocation's table has no code for an exponent its weights lacked:
     the piece coded again gets a table made from its own counts, the other
     piece keeps the allocation's, and the wake decodes each with its own."""
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=9))
+    driver, manager, weights = coded_weights(seed=9)
     manager.sleep(offload_tags=("weights",))
     first = manager.allocations[weights].coded
     changing, untouched = first.pieces
@@ -406,9 +402,7 @@ def test_an_exponent_the_first_weights_lacked_is_coded_with_a_table_of_the_piece
 
 
 def test_a_coder_without_room_to_code_pieces_again_backs_the_allocation_up_whole(monkeypatch):
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=11))
+    driver, manager, weights = coded_weights(seed=11)
     manager.sleep(offload_tags=("weights",))
     first = manager.allocations[weights].coded
     manager.wake_up()
@@ -429,9 +423,7 @@ def test_a_coder_without_room_to_code_pieces_again_backs_the_allocation_up_whole
 
 
 def test_a_piece_coded_again_that_does_not_decode_is_kept_raw(monkeypatch, caplog):
-    driver, manager = make(compress_backups=True)
-    weights = allocate(driver, manager, "weights", SIZE)
-    driver.memory[weights].copy_(bf16_weights(SIZE // 2, seed=10))
+    driver, manager, weights = coded_weights(seed=10)
     manager.sleep(offload_tags=("weights",))
     manager.wake_up()
     real_encode_lanes = exponent_codec.encode_lanes
