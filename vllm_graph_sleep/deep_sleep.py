@@ -23,6 +23,7 @@ with a clear error and the engine stays asleep and checkpointed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -35,6 +36,8 @@ from vllm_graph_sleep.cuda_checkpoint import (
     DriverCallError,
 )
 from vllm_graph_sleep.units import MiB, format_bytes
+
+logger = logging.getLogger("vllm.graph_sleep")
 
 #: How long the lock waits for the engine's CUDA work in flight.
 LOCK_TIMEOUT_MS = 10_000
@@ -101,6 +104,9 @@ class Checkpointed:
     pid: int
     device: int
     held: int
+    #: The lock (the engine's CUDA work in flight finishing) and the
+    #: checkpoint itself, in seconds.
+    lock_s: float
     checkpoint_s: float
 
 
@@ -227,6 +233,7 @@ class DeepSleep:
                 self._driver.lock(pid, LOCK_TIMEOUT_MS)
             except Exception as error:
                 raise DeepSleepError(f"the driver would not lock pid {pid}: {error}") from error
+            locked = time.perf_counter()
             try:
                 self._driver.checkpoint(pid)
             except Exception as error:
@@ -235,7 +242,19 @@ class DeepSleep:
                     f"the driver would not checkpoint pid {pid}: {error}; it was unlocked and "
                     "stays asleep as the sleep left it"
                 ) from error
-            self.checkpointed = Checkpointed(pid, device, held, time.perf_counter() - started)
+            done = time.perf_counter()
+            self.checkpointed = Checkpointed(pid, device, held, locked - started, done - locked)
+            # Where a deep sleep's time goes beyond the sleep's own log line (issue 39).
+            logger.info(
+                "graph-sleep deep sleep: pid %d checkpointed, %s it held on GPU %d moved to the "
+                "host; %.3f s (lock %.1f ms, checkpoint %.1f ms)",
+                pid,
+                format_bytes(held),
+                device,
+                done - started,
+                1000 * (locked - started),
+                1000 * (done - locked),
+            )
             return self.checkpointed
 
     def _answering(self, pid: int) -> None:
@@ -286,13 +305,26 @@ class DeepSleep:
                     checkpointed=still,
                 ) from error
             self.checkpointed = None
+            restored = time.perf_counter()
             try:
                 self._driver.unlock(target.pid)
             except Exception as error:
                 raise DeepWakeError(
                     f"pid {target.pid} was restored but not unlocked: {error}", checkpointed=False
                 ) from error
-            return time.perf_counter() - started
+            done = time.perf_counter()
+            logger.info(
+                "graph-sleep deep sleep: pid %d restored on GPU %d (%s free for %s); %.3f s "
+                "(restore %.1f ms, unlock %.1f ms)",
+                target.pid,
+                target.device,
+                format_bytes(free),
+                format_bytes(need),
+                done - started,
+                1000 * (restored - started),
+                1000 * (done - restored),
+            )
+            return done - started
 
     def _state(self, pid: int) -> str:
         try:

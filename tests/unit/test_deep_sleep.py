@@ -88,6 +88,20 @@ def test_a_checkpoint_and_a_restore_go_through_the_driver_states(engine_pid):
     assert int.from_bytes(lib.lock_args[0][:4], "little") == deep_sleep.LOCK_TIMEOUT_MS
 
 
+def test_each_checkpoint_and_restore_logs_where_its_time_went(engine_pid, caplog):
+    deep, _ = controller(engine_pid)
+    with caplog.at_level("INFO", logger="vllm.graph_sleep"):
+        done = deep.checkpoint(engine_pid)
+        seconds = deep.restore()
+    lines = [r.getMessage() for r in caplog.records if "graph-sleep deep sleep" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert f"pid {engine_pid} checkpointed, 600.00 MiB it held on GPU 0" in lines[0]
+    assert "(lock " in lines[0] and " ms, checkpoint " in lines[0]
+    assert f"pid {engine_pid} restored on GPU 0" in lines[1]
+    assert "(restore " in lines[1] and " ms, unlock " in lines[1]
+    assert done.lock_s >= 0 and done.checkpoint_s >= 0 and seconds >= 0
+
+
 def test_a_driver_that_wants_cuinit_in_the_controller_gets_it_first(engine_pid):
     lib = FakeLibcuda(needs_init=True)
     deep, _ = controller(engine_pid, lib)
