@@ -7,7 +7,9 @@ kv_cache; at level 2 reload_weights once the weights are back): level 1 full, le
 staged, level 1 staged, level 2 full, and again. Each cycle records NVML used
 memory of the GPU asleep and awake, the resident host memory of the server's
 process tree (API server, engine core, workers) asleep and awake, and whether
-the completion after the wake gave the reference tokens bit for bit.
+the completion after the wake gave the reference tokens bit for bit. With
+--checkpoint every sleep asks for the CUDA driver's checkpoint too (deep sleep,
+issue 39), and each cycle also records whether /is_sleeping said so while asleep.
 
     python benchmarks/serve_soak.py --out docs/results/soak-h200.json
 
@@ -69,6 +71,7 @@ def cycle(
     record["is_sleeping_asleep"] = client.is_sleeping()
     record["asleep_mib"] = live.mib(settle(memory)[0])
     if checkpoint:  # a checkpointed engine runs nothing until its wake, the probe included
+        record["checkpointed_asleep"] = client.checkpointed()
         record["asleep_mapped_mib"] = record["host_backup_mib"] = None
     else:
         asleep = client.memory_report()[0]
@@ -128,7 +131,9 @@ def summarize(records: list[dict[str, Any]], rss_tolerance: float) -> dict[str, 
         "sleep_state_wrong_cycles": [
             r["cycle"]
             for r in records
-            if r.get("is_sleeping_asleep") is not True or r.get("is_sleeping_awake") is not False
+            if r.get("is_sleeping_asleep") is not True
+            or r.get("is_sleeping_awake") is not False
+            or r.get("checkpointed_asleep") is False
         ],
         "asleep_mib": flatness(records, "asleep_mib", NVML_TOLERANCE_MIB),
         "awake_mib": flatness(records, "awake_mib", NVML_TOLERANCE_MIB),
@@ -144,7 +149,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     ]
     if summary["sleep_state_wrong_cycles"]:
         lines.append(
-            "/is_sleeping wrong (not true asleep or not false awake) in cycles "
+            "/is_sleeping wrong (not true asleep, not false awake, or not checkpointed "
+            "asleep with --checkpoint) in cycles "
             f"{summary['sleep_state_wrong_cycles']}"
         )
     for key, label in (

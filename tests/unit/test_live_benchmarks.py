@@ -382,8 +382,29 @@ def test_soak_with_every_sleep_checkpointed_holds_nothing_asleep(fake):
         assert record["asleep_mib"] == IDLE / MiB
         assert record["asleep_mapped_mib"] is None and record["host_backup_mib"] is None
         assert record["exact"] is True and record["is_sleeping_awake"] is False
+        assert record["checkpointed_asleep"] is True
     assert results["summary"]["asleep_mib"]["flat"] is True
+    assert results["summary"]["sleep_state_wrong_cycles"] == []
     fake.assert_all_stopped(results)
+
+
+def test_soak_counts_a_deep_sleep_that_is_not_checkpointed_as_a_wrong_state():
+    records = [
+        {"cycle": 1, "is_sleeping_asleep": True, "is_sleeping_awake": False},
+        {
+            "cycle": 2,
+            "is_sleeping_asleep": True,
+            "is_sleeping_awake": False,
+            "checkpointed_asleep": True,
+        },
+        {
+            "cycle": 3,
+            "is_sleeping_asleep": True,
+            "is_sleeping_awake": False,
+            "checkpointed_asleep": False,
+        },
+    ]
+    assert serve_soak.summarize(records, 16)["sleep_state_wrong_cycles"] == [3]
 
 
 def test_soak_wrong_tokens_are_reported_per_cycle(fake, monkeypatch):
