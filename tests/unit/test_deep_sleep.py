@@ -3,8 +3,8 @@ ctypes binding against tests/unit/fake_libcuda.py (the driver's states and
 argument checks) for a live child process it counts as holding a CUDA
 context, GPU memory from a stand-in for NVML; the HTTP side through vLLM's own
 dev sleep router with the plugin's middlewares and a fake engine client. What
-the real driver does on an H200 is docs/results/checkpoint-h200.md's (step 1);
-this code has not run on a GPU yet."""
+the real driver does on an H200, from a separate controller and through this
+code in `vllm serve`, is on docs/results/checkpoint-h200.md."""
 
 from __future__ import annotations
 
