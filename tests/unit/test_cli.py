@@ -272,6 +272,27 @@ def test_summary_of_recorded_data(recorded):
     assert ours["exact"] == [4, 4]
 
 
+def test_later_level_1_sleeps_are_told_apart_by_the_cycle_before_them():
+    # Issue 38 holds each kind against stock's: after a level-1 cycle a sleep
+    # keeps the backups that did not change; after a level-2 cycle and a reload
+    # it has none left to keep. The bench's order: L1, L1, L2, L2, then again.
+    levels = [1, 1, 2, 2, 1, 1, 2, 2]
+    seconds = [0.700, 0.060, 0.050, 0.040, 0.150, 0.070, 0.050, 0.040]
+    steps = [{"level": lv, "sleep_s": s} for lv, s in zip(levels, seconds, strict=True)]
+    kinds = report.sleeps_ms_by_kind(steps)
+    assert kinds["first"] == pytest.approx(700)
+    assert kinds["level 1 after a wake"] == pytest.approx(65)  # steps 2 and 6
+    assert kinds["level 1 after level 2"] == pytest.approx(150)  # step 5
+    assert report.sleeps_ms_by_kind([]) == {
+        "first": None,
+        "level 1 after a wake": None,
+        "level 1 after level 2": None,
+    }
+    # A run at level 2 only has no later level-1 sleep of either kind.
+    only_two = report.sleeps_ms_by_kind([{"level": 2, "sleep_s": 0.1}] * 3)
+    assert only_two["level 1 after a wake"] is None and only_two["first"] == pytest.approx(100)
+
+
 def test_table_of_recorded_data(recorded):
     table = report.format_table(recorded)
     lines = table.splitlines()

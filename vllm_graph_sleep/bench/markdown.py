@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from vllm_graph_sleep.bench import ledger_table
-from vllm_graph_sleep.bench.report import RATIO_NOTE, SCHEMA, floor_line, ledger_rows, table_rows
+from vllm_graph_sleep.bench.report import (
+    RATIO_NOTE,
+    SCHEMA,
+    floor_line,
+    ledger_rows,
+    sleeps_ms_by_kind,
+    table_rows,
+)
 from vllm_graph_sleep.bench.server import CONFIG_LABELS
 from vllm_graph_sleep.bench.settings import LEVELS, WAKES
 
@@ -123,27 +130,18 @@ def _ms(value: float | None, reference: float | None) -> str:
     return cell
 
 
-def _sleeps_ms(record: dict[str, Any]) -> tuple[float | None, float | None]:
-    """The first sleep and the median of the later level-1 sleeps, in ms."""
-    steps = record.get("steps") or []
-    first = 1000 * steps[0]["sleep_s"] if steps else None
-    later = sorted(1000 * s["sleep_s"] for s in steps[1:] if s.get("level") == 1)
-    if not later:
-        return first, None
-    middle = len(later) // 2
-    median = later[middle] if len(later) % 2 else (later[middle - 1] + later[middle]) / 2
-    return first, median
-
-
 def readme_table(data: dict[str, Any], source: str, page: str, revision: str | None) -> list[str]:
-    """README's one results table: asleep memory, the level-1 wake, the first and
-    later sleeps and the exact tokens of each configuration of a bench run, with
+    """README's one results table: asleep memory, the level-1 wake, the first
+    sleep, the later level-1 sleeps by the cycle before them (report.
+    sleeps_ms_by_kind) and the exact tokens of each configuration of a bench run, with
     ratios against stock with graphs (or stock eager), and a line naming the run."""
     summary = data["summary"]
     names = list(summary)
     baseline = next((b for b in ("stock_graphs", "stock_eager") if b in names), None)
     records = {r["config"]: r for r in data.get("configs") or []}
-    sleeps = {name: _sleeps_ms(records.get(name) or {}) for name in names}
+    sleeps = {
+        name: sleeps_ms_by_kind((records.get(name) or {}).get("steps") or []) for name in names
+    }
 
     def asleep(name: str, level: str) -> str:
         per_gpu = (summary[name].get("asleep_mib") or {}).get(level)
@@ -159,8 +157,15 @@ def readme_table(data: dict[str, Any], source: str, page: str, revision: str | N
         ratio_row(
             "level-1 wake (ms)", {n: (summary[n].get("wake_ms") or {}).get("1 full") for n in names}
         ),
-        ratio_row("first sleep (ms)", {n: sleeps[n][0] for n in names}),
-        ratio_row("later level-1 sleeps, median (ms)", {n: sleeps[n][1] for n in names}),
+        ratio_row("first sleep (ms)", {n: sleeps[n]["first"] for n in names}),
+        ratio_row(
+            "later level-1 sleeps after a level-1 cycle, median (ms)",
+            {n: sleeps[n]["level 1 after a wake"] for n in names},
+        ),
+        ratio_row(
+            "level-1 sleeps after a level-2 cycle and reload, median (ms)",
+            {n: sleeps[n]["level 1 after level 2"] for n in names},
+        ),
         [
             "tokens exact after each wake",
             *["{}/{}".format(*summary[n]["exact"]) for n in names],
