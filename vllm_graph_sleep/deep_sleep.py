@@ -296,12 +296,12 @@ class DeepSleep:
             try:
                 self._driver.restore(target.pid)
             except Exception as error:
-                still = self._state(target.pid) == "checkpointed"
+                state = self._state(target.pid)
+                still = state == "checkpointed"
                 if not still:
                     self.checkpointed = None
                 raise DeepWakeError(
-                    f"the driver could not restore pid {target.pid}: {error} (it is now "
-                    f"{self._state(target.pid)})",
+                    f"the driver could not restore pid {target.pid}: {error} (it is now {state})",
                     checkpointed=still,
                 ) from error
             self.checkpointed = None

@@ -34,12 +34,11 @@ from vllm_graph_sleep.deep_sleep import (
     controller_for,
     engine_core_pids,
 )
+from vllm_graph_sleep.request_gate import SLEEP_PATH, WAKE_UP_PATH, sleep_level
 from vllm_graph_sleep.settings import parse_yes_no
 
 logger = logging.getLogger("vllm.graph_sleep")
 
-SLEEP_PATH = "/sleep"
-WAKE_UP_PATH = "/wake_up"
 IS_SLEEPING_PATH = "/is_sleeping"
 CHECKPOINT_PARAM = "checkpoint"
 #: Seconds a client is told to wait before it retries a wake refused for room.
@@ -48,14 +47,6 @@ RETRY_AFTER_S = 5
 
 def _error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
-
-
-def _level(params: QueryParams) -> int | None:
-    """The sleep level as vLLM's handler reads it (None: not a number)."""
-    try:
-        return int(params.get("level", "1"))
-    except ValueError:
-        return None
 
 
 class _Buffered:
@@ -123,7 +114,7 @@ class DeepSleepEndpoints:
             if self.checkpointed:
                 await self._refuse_while_checkpointed(scope, receive, send)
                 return
-            if deep and _level(params) == 0:
+            if deep and sleep_level(params) == 0:
                 # Level 0 keeps everything on the GPU: the checkpoint would move it all.
                 await _error(400, f"{CHECKPOINT_PARAM}=1 needs a sleep level of 1 or 2")(
                     scope, receive, send

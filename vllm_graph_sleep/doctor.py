@@ -570,7 +570,7 @@ def deep_sleep_state(engine_args: Any, platform: Any, environ: MutableMapping[st
     return (
         "available, opt-in: POST /sleep?level=1&checkpoint=1 (dev mode, one API server process) "
         "or vllm_graph_sleep.deep_sleep.sleep(llm); the CUDA driver checkpoints the engine core "
-        "process after the sleep, a wake restores it first (not yet measured end to end)"
+        "process after the sleep, a wake restores it first (docs/results/checkpoint-h200.md)"
     )
 
 

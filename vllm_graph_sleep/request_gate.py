@@ -222,9 +222,10 @@ def _weights_method(path: str, body: bytes) -> str | None:
     return method if isinstance(method, str) else None
 
 
-def _sleep_level(params: QueryParams) -> int | None:
+def sleep_level(params: QueryParams) -> int | None:
+    """The level of a /sleep query as vLLM's handler reads it (None: not a number)."""
     try:
-        return int(params.get("level", "1"))  # as vLLM's handler reads it
+        return int(params.get("level", "1"))
     except ValueError:
         return None
 
@@ -459,7 +460,7 @@ class AsleepGate:
             self.sleeps_in_flight -= 1
             self.drains_in_flight -= drains
             self.slept_at = time.monotonic()
-        if path == SLEEP_PATH and _sleep_level(params) == 2 and status.succeeded():
+        if path == SLEEP_PATH and sleep_level(params) == 2 and status.succeeded():
             self.weights_missing = True
             self.weights_back = asyncio.Event()
 
