@@ -244,14 +244,30 @@ def test_the_coder_is_compiled_and_checked_at_warm_up_not_at_the_first_sleep(mon
     assert len(counted) == 3
 
 
-def test_a_level_two_sleep_drops_the_coded_backup_with_its_host_buffer():
+def test_a_level_two_sleep_keeps_the_coded_backup_for_the_sleep_after_the_reload():
+    """Issue 38: after a level-2 sleep and a reload, the level-1 sleep codes
+    again only the pieces the reload changed, into the buffer it kept."""
     driver, manager, weights = coded_weights(seed=4)
     manager.sleep(offload_tags=("weights",))
+    first = manager.allocations[weights].coded
+    untouched, changing = first.pieces
+    untouched_coded = untouched.coded
     manager.wake_up()
-    assert manager.allocations[weights].coded is not None  # kept with its buffer for reuse
+    loaded = driver.memory[weights].clone()
     manager.sleep(offload_tags=())
     allocation = manager.allocations[weights]
-    assert allocation.coded is None and allocation.host is None and not allocation.has_backup
+    assert allocation.coded is first and allocation.host is not None
+    assert not allocation.has_backup  # the wake maps it back without it
+    manager.wake_up()
+    driver.memory[weights].copy_(loaded)  # the reload: the same weights...
+    driver.memory[weights][SIZE - 3] ^= 0x01  # ...but for one byte of the second piece
+    expected = driver.memory[weights].clone()
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": SIZE // 2}
+    assert manager.allocations[weights].coded is first
+    assert untouched.coded is untouched_coded
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
 
 
 def test_a_coded_wake_needs_no_more_device_memory_than_the_sleep_freed(monkeypatch):

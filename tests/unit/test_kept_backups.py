@@ -1,8 +1,10 @@
 """A sleep copies again only the backup blocks that changed since the backup
 its host buffers hold (issue 38), through the allocator on the fake driver:
 kept blocks are not copied, a flipped bit is, every wake comes back exact,
-and whatever leaves the host buffer unknown (a level-2 discard, a failed
-sleep, other graph-pool ranges, the switch) makes the next sleep copy all."""
+a level-2 sleep keeps the buffers, so that the sleep after a reload copies
+what the reload changed, and whatever leaves the host buffer unknown (a
+discard, a failed sleep, other graph-pool ranges, the switch) makes the next
+sleep copy all."""
 
 from __future__ import annotations
 
@@ -100,25 +102,100 @@ def test_new_weights_for_a_quarter_of_the_layers_copy_a_quarter(layers):
         check_exact(driver, addresses, expected)
 
 
-def test_a_level_2_sleep_and_a_reload_copy_everything_again(layers):
-    driver, manager, addresses = layers
+def level_1_then_level_2(manager) -> None:
+    """A level-1 cycle (host buffers made), then a level-2 sleep (the weights
+    dropped, no backup) and the wake that maps them back without contents."""
     manager.sleep(offload_tags=("weights",))
     manager.wake_up()
-    manager.sleep(offload_tags=())  # level 2: nothing backed up
+    manager.sleep(offload_tags=())
     manager.wake_up()
-    for seed, address in enumerate(addresses):  # reload_weights
+
+
+def reload(driver, addresses, seeds) -> None:
+    """What `reload_weights` does: every layer written from its checkpoint."""
+    for seed, address in zip(seeds, addresses, strict=True):
         driver.memory[address].copy_(random_bytes(LAYER, seed))
+
+
+def test_a_level_2_sleep_keeps_the_host_buffers_and_a_reload_of_the_same_weights_copies_nothing(
+    layers,
+):
+    """Issue 38: the level-1 sleep after a level-2 sleep and `reload_weights`
+    pinned all buffers again and coded all weights again (3.75x stock's in
+    run 19). The buffers and their fingerprints now outlive the drop."""
+    driver, manager, addresses = layers
+    expected = contents(driver, addresses)
     manager.sleep(offload_tags=("weights",))
-    assert manager.last_backup().copied == {"weights": 4 * LAYER}
-    manager.discard("weights")
+    host = {a: manager.allocations[a].host for a in addresses}
     manager.wake_up()
-    for address in addresses:
-        driver.memory[address].copy_(random_bytes(LAYER, 9))
+    manager.sleep(offload_tags=())  # level 2: the weights dropped, no backup
+    assert {a: manager.allocations[a].host for a in addresses} == host
+    manager.wake_up()
+    # Mapped back without the backup the buffers still hold.
+    for address, old in zip(addresses, expected, strict=True):
+        assert not torch.equal(driver.memory[address], old)
+    reload(driver, addresses, range(4))  # the same weights
+    check_exact(driver, addresses, expected)
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 0}
+    assert manager.last_backup().kept == {"weights": 4 * LAYER}
+    assert all(manager.allocations[a].host is host[a] for a in addresses)  # nothing pinned anew
+    manager.wake_up()
+    check_exact(driver, addresses, expected)
+
+
+def test_after_a_level_2_sleep_what_the_reload_changed_is_copied(layers):
+    driver, manager, addresses = layers
+    level_1_then_level_2(manager)
+    reload(driver, addresses, [50, 1, 2, 3])  # new weights for the first layer only
+    expected = contents(driver, addresses)
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": LAYER}
+    manager.wake_up()
+    check_exact(driver, addresses, expected)
+
+
+def test_a_level_2_wake_that_loads_nothing_is_backed_up_as_it_is(layers):
+    """Without a reload the weights come back as fresh memory: the next sleep
+    finds every block changed from the kept backup and copies it."""
+    driver, manager, addresses = layers
+    level_1_then_level_2(manager)
     expected = contents(driver, addresses)
     manager.sleep(offload_tags=("weights",))
     assert manager.last_backup().copied == {"weights": 4 * LAYER}
     manager.wake_up()
     check_exact(driver, addresses, expected)
+
+
+def test_a_discard_leaves_nothing_to_keep(layers):
+    driver, manager, addresses = layers
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    manager.discard("weights")
+    assert manager.host_bytes() == 0
+    manager.wake_up()
+    reload(driver, addresses, range(4))  # the same weights, but nothing kept to compare with
+    expected = contents(driver, addresses)
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 4 * LAYER}
+    manager.wake_up()
+    check_exact(driver, addresses, expected)
+
+
+def test_with_host_memory_released_a_level_2_sleep_holds_none(monkeypatch):
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY", "1")
+    driver, manager = make()
+    address = allocate(driver, manager, "weights", LAYER)
+    driver.memory[address].copy_(random_bytes(LAYER, 3))
+    manager.sleep(offload_tags=("weights",))
+    assert manager.host_bytes() == LAYER
+    manager.wake_up()
+    manager.sleep(offload_tags=())
+    assert manager.host_bytes() == 0
+    manager.wake_up()
+    driver.memory[address].copy_(random_bytes(LAYER, 3))
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": LAYER}
 
 
 @pytest.mark.parametrize("failing", ["fingerprint", "host_buffer", "synchronize"])

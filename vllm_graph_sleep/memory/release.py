@@ -54,7 +54,17 @@ class Dropped:
 
 def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocation]) -> Dropped:
     """Unmaps `to_drop`, losing their contents; one the driver will not
-    release stays mapped with its contents (and is logged by the caller)."""
+    release stays mapped with its contents (and is logged by the caller).
+
+    A dropped allocation keeps its host buffer, and with it the backup an
+    earlier sleep left there and that backup's fingerprints (issue 38): a
+    wake maps it back without that backup (`has_backup` is False), and the
+    next sleep that backs it up compares what the device then holds with it,
+    so that after a level-2 sleep and a reload only what the reload changed is
+    copied (and coded) again, into buffers already pinned. Stock vLLM holds as
+    much pinned memory there: torch's pinned-memory cache keeps the blocks of
+    its last level-1 sleep. VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY=1 gives the
+    buffers back at each wake, so that none is left to keep."""
     result = Dropped()
     for allocation in released:
         if allocation.backup_bytes() < allocation.size:
@@ -67,7 +77,6 @@ def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocat
             result.failures.append(f"{allocation.address:#x}: {error}")
             continue
         allocation.mapped = False
-        allocation.drop_host()
         allocation.has_backup = False
         add(result.dropped, allocation.tag, allocation.size)
     return result
