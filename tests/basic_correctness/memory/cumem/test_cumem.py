@@ -1297,3 +1297,42 @@ def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(co
         alloc.wake_up()
     assert same_bits(weights[0], source)
     assert same_bits(weights[1], expected)
+
+
+@fresh_process
+@pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
+def test_after_a_level_2_sleep_and_a_reload_only_what_changed_is_copied(coded):
+    """Issue 38 on a real GPU: a level-2 sleep keeps the host buffers (and
+    their fingerprints) of the level-1 sleep before it; the wake maps the
+    weights back without them (poisoned here, as a fresh mapping's contents
+    are undefined); after the reload writes the same weights but one bit, the
+    level-1 sleep copies that bit's block (its piece, coded) into the same
+    buffer, and its wake is exact."""
+    from vllm_graph_sleep.coded_backup import PIECE_BYTES
+    from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES
+
+    alloc = manager()
+    alloc.compress_backups = coded
+    generator = torch.Generator("cuda").manual_seed(2)
+    source = (torch.randn(64 * MIB, generator=generator, device="cuda") * 0.02).to(torch.bfloat16)
+    with alloc.use_memory_pool("weights"):
+        weights = torch.empty_like(source)  # 128 MiB: two coded pieces
+    weights.copy_(source)
+    alloc.sleep(offload_tags=("weights",))
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    host = allocation_of(alloc, weights).host
+    alloc.sleep(offload_tags=())  # level 2
+    assert allocation_of(alloc, weights).host is host
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    assert not same_bits(weights, source)  # nothing restored from the kept buffer
+    weights.copy_(source)  # the reload
+    weights.view(torch.int16)[7] ^= 0x0100
+    expected = weights.clone()
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.last_backup().copied == {"weights": PIECE_BYTES if coded else BLOCK_BYTES}
+    assert allocation_of(alloc, weights).host is host
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    assert same_bits(weights, expected)
