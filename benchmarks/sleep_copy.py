@@ -26,10 +26,12 @@ Exit status 0 when every mode ran and every wake was exact, 1 otherwise,
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import logging
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -188,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no GPU: nothing to measure", file=sys.stderr)
         return 2
     report: dict[str, Any] = {
+        "benchmark": "allocator sleep against a plain device-to-host copy (issue 38)",
+        "command": shlex.join(["python", "benchmarks/sleep_copy.py", *(argv or sys.argv[1:])]),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gib": args.gib,
         "tensors": TENSORS,
         "device": torch.cuda.get_device_name(),
@@ -227,9 +232,36 @@ def main(argv: list[str] | None = None) -> int:
             + " | ".join(f"{c} {1000 * median[c]:7.1f} ms ({ratios[c]:.2f}x)" for c in ratios)
             + f" | level 2 {1000 * median['level_2']:7.1f} ms | exact {report[mode]['exact']}"
         )
+    report["results"] = summary_rows(report, args.modes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1
+
+
+def summary_rows(report: dict[str, Any], modes: list[str]) -> list[dict[str, Any]]:
+    """One row per mode and timed case, the results page's table
+    (tools/render_results.py renders a report with "command" and "results"):
+    the median in ms, its ratio to the plain copy's, the bytes copied."""
+    rows = []
+    for mode in modes:
+        result = report.get(mode) or {}
+        if "median_s" not in result:
+            rows.append({"mode": mode, "case": "error", "median_ms": None})
+            continue
+        median = result["median_s"]
+        for case in (*SLEEP_CASES, "level_2", "plain"):
+            copied = result["copied_bytes"].get(case)
+            rows.append(
+                {
+                    "mode": mode,
+                    "case": case,
+                    "median_ms": round(1000 * median[case], 1),
+                    "over_plain": round(median[case] / median["plain"], 3),
+                    "copied_mib": None if copied is None else round(copied / (1 << 20), 1),
+                    "exact": result["exact"],
+                }
+            )
+    return rows
 
 
 if __name__ == "__main__":
