@@ -123,3 +123,53 @@ def test_the_kernel_gives_the_references_fingerprints():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "kernel equals reference" in result.stdout
+
+
+_SPEED_CHECK = """
+import torch
+from benchmarks import fingerprint_speed
+from vllm_graph_sleep.memory import fingerprint_kernel, fingerprints as fp
+fingerprint_speed.STEPS, fingerprint_speed.WARPS = (1024, 2048), (4,)
+real = fingerprint_kernel.fingerprint_kernel
+
+
+class WrongAtOtherSteps:
+    # The kernel, but rows written wrong when launched with a STEP the driver
+    # does not use: the benchmark must notice.
+    def __getitem__(self, grid):
+        def launch(words, out, *args, STEP, **kwargs):
+            real[grid](words, out, *args, STEP=STEP, **kwargs)
+            if STEP != 2048:
+                out[0, 0] ^= 1
+        return launch
+
+
+fingerprint_kernel.fingerprint_kernel = WrongAtOtherSteps()
+rows = fingerprint_speed.measure(2 * fp.BLOCK_BYTES, 2, 1, torch.device("cpu"))
+print({row["case"]: row["same"] for row in rows})
+"""
+
+
+def test_the_speed_benchmark_checks_every_variant_against_the_drivers_fingerprints():
+    """benchmarks/fingerprint_speed.py, in Triton's interpreter: every case
+    runs, and a variant that gives other fingerprints is marked so."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", _SPEED_CHECK],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == str(
+        {
+            "sleep_ranges": True,
+            "one_range": True,
+            "step1024_warps4": False,
+            "step2048_warps4": True,
+            "read": True,
+        }
+    )

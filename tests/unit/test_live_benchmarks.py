@@ -473,7 +473,14 @@ def test_main_exit_status(fake, monkeypatch, corrupt):
 
 
 @pytest.mark.parametrize(
-    "script", ["wake_pressure.py", "serve_soak.py", "pinning.py", "asleep_memory_history.py"]
+    "script",
+    [
+        "wake_pressure.py",
+        "serve_soak.py",
+        "pinning.py",
+        "asleep_memory_history.py",
+        "fingerprint_speed.py",
+    ],
 )
 def test_without_gpu_exit_2_with_one_line(tmp_path, script):
     # CUDA_VISIBLE_DEVICES="" hides every GPU, so this holds on a GPU machine too.
