@@ -82,6 +82,19 @@ def test_a_short_last_block_and_bad_ranges():
         fingerprint_kernel.fingerprint(torch.zeros(16, dtype=torch.uint8), out[:, :1])
 
 
+def _interpreted(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh process under TRITON_INTERPRET=1 (which turns
+    the interpreter on for kernels defined after it is set); fails the test
+    if it fails."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 _KERNEL_CHECK = """
 import torch
 from tests.unit.fingerprint_reference import fingerprints
@@ -111,17 +124,7 @@ print("kernel equals reference")
 def test_the_kernel_gives_the_references_fingerprints():
     """In Triton's interpreter, which TRITON_INTERPRET=1 turns on for kernels
     defined after it is set: a fresh process."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", _KERNEL_CHECK],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _interpreted(_KERNEL_CHECK)
     assert "kernel equals reference" in result.stdout
 
 
@@ -153,17 +156,7 @@ print({row["case"]: row["same"] for row in rows})
 def test_the_speed_benchmark_checks_every_variant_against_the_drivers_fingerprints():
     """benchmarks/fingerprint_speed.py, in Triton's interpreter: every case
     runs, and a variant that gives other fingerprints is marked so."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-c", _SPEED_CHECK],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _interpreted(_SPEED_CHECK)
     assert result.stdout.strip().splitlines()[-1] == str(
         {
             "sleep_ranges": True,
