@@ -480,6 +480,7 @@ def test_main_exit_status(fake, monkeypatch, corrupt):
         "pinning.py",
         "asleep_memory_history.py",
         "fingerprint_speed.py",
+        "release_speed.py",
     ],
 )
 def test_without_gpu_exit_2_with_one_line(tmp_path, script):
