@@ -275,7 +275,8 @@ def test_summary_of_recorded_data(recorded):
 def test_later_level_1_sleeps_are_told_apart_by_the_cycle_before_them():
     # Issue 38 holds each kind against stock's: after a level-1 cycle a sleep
     # keeps the backups that did not change; after a level-2 cycle and a reload
-    # it has none left to keep. The bench's order: L1, L1, L2, L2, then again.
+    # it compares with the buffers level 2 kept. The bench's order: L1, L1, L2,
+    # L2, then again.
     levels = [1, 1, 2, 2, 1, 1, 2, 2]
     seconds = [0.700, 0.060, 0.050, 0.040, 0.150, 0.070, 0.050, 0.040]
     steps = [{"level": lv, "sleep_s": s} for lv, s in zip(levels, seconds, strict=True)]

@@ -133,7 +133,8 @@ def _ms(value: float | None, reference: float | None) -> str:
 def readme_table(data: dict[str, Any], source: str, page: str, revision: str | None) -> list[str]:
     """README's one results table: asleep memory, the level-1 wake, the first
     sleep, the later level-1 sleeps by the cycle before them (report.
-    sleeps_ms_by_kind) and the exact tokens of each configuration of a bench run, with
+    sleeps_ms_by_kind), the level-2 sleeps (issue 38 holds each sleep against
+    stock's) and the exact tokens of each configuration of a bench run, with
     ratios against stock with graphs (or stock eager), and a line naming the run."""
     summary = data["summary"]
     names = list(summary)
@@ -165,6 +166,10 @@ def readme_table(data: dict[str, Any], source: str, page: str, revision: str | N
         ratio_row(
             "level-1 sleeps after a level-2 cycle and reload, median (ms)",
             {n: sleeps[n]["level 1 after level 2"] for n in names},
+        ),
+        ratio_row(
+            "level-2 sleeps, median (ms)",
+            {n: (summary[n].get("sleep_ms") or {}).get("2") for n in names},
         ),
         [
             "tokens exact after each wake",

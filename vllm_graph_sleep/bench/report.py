@@ -85,7 +85,8 @@ def sleeps_ms_by_kind(steps: list[dict[str, Any]]) -> dict[str, float | None]:
     sleep of the run), and the median of the later level-1 sleeps that follow a
     level-1 cycle ("level 1 after a wake": the backups kept from it apply) and
     of those that follow a level-2 cycle ("level 1 after level 2": the weights
-    were reloaded, no backup is left). Issue 38 holds each kind against stock's."""
+    were reloaded; the host buffers level 2 kept apply to what the reload left
+    as it was). Issue 38 holds each kind against stock's."""
     later: dict[str, list[float]] = {"level 1 after a wake": [], "level 1 after level 2": []}
     for before, step in zip(steps, steps[1:], strict=False):
         if step.get("level") == 1:
