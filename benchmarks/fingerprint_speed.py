@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES, LANES, WORD_BYTES, blocks
+from vllm_graph_sleep.units import GiB
 
-GIB = 1 << 30
 STEPS = (1024, 2048, 4096)
 WARPS = (4, 8, 16)
 # One launch of the kernel covers at most this many words (an int32 size).
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fingerprint_speed: Triton missing ({error}), nothing to run", file=sys.stderr)
         return 2
     # Whole blocks, and as many in each range.
-    total = int(args.gib * GIB) // (args.ranges * BLOCK_BYTES) * args.ranges * BLOCK_BYTES
+    total = int(args.gib * GiB) // (args.ranges * BLOCK_BYTES) * args.ranges * BLOCK_BYTES
     results = measure(total, args.ranges, args.repeats, torch.device("cuda"))
     report = {
         "benchmark": "fingerprint speed against a read of the same bytes (issue 38)",

@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
+from vllm_graph_sleep.units import GiB
+
 WAYS = ("each", "unmap_all_first", "one_unmap", "threads4")
 THREADS = 4
 # CUDA driver API values (cuda.h).
@@ -82,7 +83,6 @@ class Driver:
 
     def __init__(self, device: int) -> None:
         self._lib = ctypes.CDLL("libcuda.so.1")
-        self._device = device
         self._prop = _AllocationProp(
             type=_ALLOCATION_TYPE_PINNED, location=_Location(_LOCATION_TYPE_DEVICE, device)
         )
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.zeros(1, device="cuda")  # the primary context, current on this thread
     driver = Driver(torch.cuda.current_device())
     granularity = driver.granularity()
-    chunk = int(args.gib * GIB) // args.chunks // granularity * granularity
+    chunk = int(args.gib * GiB) // args.chunks // granularity * granularity
     results = []
     for wait_s in args.waits:
         for way in args.ways:

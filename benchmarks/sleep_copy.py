@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-GIB = 1 << 30
+from vllm_graph_sleep.units import GiB, MiB
+
 TENSORS = 64
 # The level-1 sleeps timed against the plain copy.
 SLEEP_CASES = ("changed", "unchanged", "quarter", "after_level_2")
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mode-result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    total = int(args.gib * GIB) // (TENSORS * 2 * 4096) * TENSORS * 2 * 4096
+    total = int(args.gib * GiB) // (TENSORS * 2 * 4096) * TENSORS * 2 * 4096
     if args.mode_result:
         args.mode_result.write_text(json.dumps(run_mode(total, args.repeats)))
         return 0
@@ -257,7 +258,7 @@ def summary_rows(report: dict[str, Any], modes: list[str]) -> list[dict[str, Any
                     "case": case,
                     "median_ms": round(1000 * median[case], 1),
                     "over_plain": round(median[case] / median["plain"], 3),
-                    "copied_mib": None if copied is None else round(copied / (1 << 20), 1),
+                    "copied_mib": None if copied is None else round(copied / MiB, 1),
                     "exact": result["exact"],
                 }
             )
