@@ -33,6 +33,15 @@ logger = logging.getLogger("vllm.graph_sleep")
 # Bytes a wake decodes per piece; each of the wake's two staging slots holds one
 # coded piece (about 43 MiB for this size).
 PIECE_BYTES = 64 << 20
+# Below this many changed bytes on a device, a sleep copies the changed pieces
+# raw instead of coding them again. Coding again costs a fixed ~6 ms (its counts
+# read back, a table built on the host, the coder's scratch, the check): 6.4 ms
+# for one 9 MiB piece in run 19 (docs/results/bench-default.md), a fifth of
+# that sleep. Coding X bytes saves copying X/3 over the link at the sleep and
+# again at the wake (about 2X/3 at 50 GB/s), which pays for the fixed cost from
+# about 450 MiB on; at 256 MiB a weight update of whole layers of an 8B model
+# (436 MiB a layer) is still coded.
+RECODE_MIN_BYTES = 256 << 20
 _warned_short_of_memory = False
 
 
@@ -467,6 +476,32 @@ def recode(
         coder.add(again, _plans(again, pairs, number, item_counts, indices), pairs, indices)
     coder.finish()
     return True
+
+
+def too_few_to_code(
+    items: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]], list[int]]],
+) -> bool:
+    """Whether the pieces numbered in the items (backup, its pairs, piece
+    indices), all on one device, hold too few bytes for coding them again to
+    pay (RECODE_MIN_BYTES): `copy_again_raw` backs them up then."""
+    return sum(backup.bytes_of(indices) for backup, _, indices in items) < RECODE_MIN_BYTES
+
+
+def copy_again_raw(
+    items: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]], list[int]]],
+) -> None:
+    """Backs up again, raw, the pieces numbered in each item (backup, its
+    pairs, piece indices), leaving the others as the host holds them; waits
+    for the copies."""
+    device = items[0][1][0][0].device
+    for backup, pairs, indices in items:
+        for index in indices:
+            piece = backup.pieces[index]
+            piece.coded = None
+            piece.raw = pairs[piece.pair][1][piece.offset : piece.offset + piece.size]
+        _copy_raw(backup, pairs, indices)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # Words of the sample a first use codes: one lane program's worth and more.

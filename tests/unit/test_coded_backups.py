@@ -30,6 +30,9 @@ def interpreted(monkeypatch):
     # with the real 512), a program of 4096 lanes a piece.
     interpret_codec(monkeypatch, symbols_per_lane=128, lanes_per_program=4096)
     monkeypatch.setattr(coded_backup, "PIECE_BYTES", MIB)
+    # Every changed piece is coded again, however few its bytes: the tests of
+    # copying small changes raw set their own bound.
+    monkeypatch.setattr(coded_backup, "RECODE_MIN_BYTES", 0)
     # What a worker starts its first sleep with: the coder compiled and
     # checked at its warm-up (coded_backup.prepare; the tests of that first
     # use, and of a sleep short of memory for it, start before it), no
@@ -355,7 +358,9 @@ def test_an_unchanged_coded_backup_is_kept_and_a_changed_piece_coded_again_alone
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("weights",))
     (line,) = [r.getMessage() for r in caplog.records if "graph-sleep sleep" in r.getMessage()]
-    assert re.search(r"coding \(0 allocations whole, 1 pieces again\) \d+\.\d ms", line), line
+    assert re.search(
+        r"coding \(0 allocations whole, 1 pieces again, 0 copied again raw\) \d+\.\d ms", line
+    ), line
     assert manager.last_backup().copied == {"weights": SIZE // 2}
     assert manager.last_backup().kept == {"weights": SIZE // 2}
     assert manager.allocations[weights].coded is first
@@ -363,6 +368,49 @@ def test_an_unchanged_coded_backup_is_kept_and_a_changed_piece_coded_again_alone
     assert changing.coded is not None and changing.coded is not changing_coded
     manager.wake_up()
     assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_change_too_small_to_code_again_is_copied_raw_and_comes_back(monkeypatch, caplog):
+    """Issue 38: coding again has a fixed cost that a small change does not
+    repay (coded_backup.RECODE_MIN_BYTES), so the pieces that hold it are
+    copied raw; the other piece stays coded as the host holds it, both come
+    back exact, and a later sleep that changes them again keeps them raw."""
+    monkeypatch.setattr(coded_backup, "RECODE_MIN_BYTES", MIB + 1)
+    driver, manager, weights = coded_weights(seed=5)
+    manager.sleep(offload_tags=("weights",))
+    first = manager.allocations[weights].coded
+    untouched, changing = first.pieces
+    untouched_coded = untouched.coded
+    assert changing.coded is not None
+    for flip in range(2):
+        manager.wake_up()
+        driver.memory[weights][SIZE - 3 - flip] ^= 0x01
+        expected = driver.memory[weights].clone()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+            manager.sleep(offload_tags=("weights",))
+        (line,) = [r.getMessage() for r in caplog.records if "graph-sleep sleep" in r.getMessage()]
+        assert "coding (0 allocations whole, 0 pieces again, 1 copied again raw)" in line, line
+        assert manager.last_backup().copied == {"weights": SIZE // 2}
+        assert manager.allocations[weights].coded is first
+        assert untouched.coded is untouched_coded
+        assert changing.coded is None and changing.raw is not None
+        manager.wake_up()
+        assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_change_of_at_least_the_bound_is_coded_again(monkeypatch):
+    """The bound is on the bytes of the changed pieces: a change that fills
+    it is coded again."""
+    monkeypatch.setattr(coded_backup, "RECODE_MIN_BYTES", MIB)
+    driver, manager, weights = coded_weights(seed=6)
+    manager.sleep(offload_tags=("weights",))
+    changing = manager.allocations[weights].coded.pieces[1]
+    manager.wake_up()
+    driver.memory[weights][SIZE - 3] ^= 0x01
+    manager.sleep(offload_tags=("weights",))
+    assert changing.coded is not None
+    manager.wake_up()
 
 
 def test_a_coded_backup_is_cut_where_torch_placed_its_tensors(monkeypatch):

@@ -311,9 +311,13 @@ class Backups:
             # Imported here: it brings Triton, which nothing else needs.
             from vllm_graph_sleep import coded_backup
 
-            recoded = 0
+            recoded = copied_raw = 0
             for device, recoding in to_recode.items():
                 items = [(a.coded, pairs_of[a.address], pieces) for a, pieces in recoding]
+                if coded_backup.too_few_to_code(items):
+                    coded_backup.copy_again_raw(items)
+                    copied_raw += sum(len(pieces) for _, pieces in recoding)
+                    continue
                 if coded_backup.recode(items):
                     recoded += sum(len(pieces) for _, pieces in recoding)
                     continue
@@ -328,7 +332,10 @@ class Backups:
                 for allocation, backup in zip(coding, backups, strict=True):
                     allocation.coded = backup
             whole = sum(map(len, to_code.values()))
-            clock.lap(f"coding ({whole} allocations whole, {recoded} pieces again)")
+            clock.lap(
+                f"coding ({whole} allocations whole, {recoded} pieces again, "
+                f"{copied_raw} copied again raw)"
+            )
         for allocation in allocations:
             add(count.copied, allocation.tag, copied[allocation.address])
             add(count.kept, allocation.tag, allocation.backup_bytes() - copied[allocation.address])

@@ -1257,15 +1257,25 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @fresh_process
-@pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
-def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(coded):
+@pytest.mark.parametrize(
+    "coded, recode_min_bytes",
+    [(False, None), (True, None), (True, 0)],
+    ids=["raw", "coded", "coded_again"],
+)
+def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(
+    coded, recode_min_bytes, monkeypatch
+):
     """Issue 38 on a real GPU: the Triton fingerprints, a sleep that copies
     nothing unchanged since the last wake, one flipped bit (in a NaN's
-    payload) copied again (its 1 MiB block raw, its 64 MiB piece coded),
-    poisoned remaps so that nothing comes back right by luck."""
+    payload) copied again (its 1 MiB block raw, its 64 MiB piece coded:
+    copied raw, too few bytes to code again, or, with no such bound, coded
+    again), poisoned remaps so that nothing comes back right by luck."""
+    from vllm_graph_sleep import coded_backup
     from vllm_graph_sleep.coded_backup import PIECE_BYTES
     from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES
 
+    if recode_min_bytes is not None:
+        monkeypatch.setattr(coded_backup, "RECODE_MIN_BYTES", recode_min_bytes)
     alloc = manager()
     alloc.compress_backups = coded
     assert alloc.keeps_unchanged_backups
@@ -1293,6 +1303,12 @@ def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(co
     assert not same_bits(expected, source)
     alloc.sleep(offload_tags=("weights",))
     assert alloc.last_backup().copied == {"weights": PIECE_BYTES if coded else BLOCK_BYTES}
+    if coded:
+        pieces = allocation_of(alloc, weights[1]).coded.pieces
+        assert [piece.coded is not None for piece in pieces] == [
+            recode_min_bytes == 0,
+            True,
+        ]
     with poisoned_remaps(alloc):
         alloc.wake_up()
     assert same_bits(weights[0], source)
