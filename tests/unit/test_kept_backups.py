@@ -275,3 +275,25 @@ def test_the_worker_warm_up_compiles_the_fingerprints_before_the_first_sleep(mon
     switched_off = make(keep_unchanged_backups=False)
     switched_off[1].prepare_backup_kernels(torch.device("cpu"))
     assert switched_off[0].fingerprinted_bytes == 0
+
+
+def test_changed_spans_are_the_blocks_whose_fingerprints_differ():
+    """The comparison a sleep makes per allocation: equal fingerprints give
+    no span (the fast path most allocations take), differing blocks their
+    byte spans with neighbours joined, per pair, and unknown ones None."""
+    from vllm_graph_sleep.memory.backups import _changed_spans
+
+    pairs = [(torch.empty(3 * BLOCK_BYTES, dtype=torch.uint8), None)]
+    pairs.append((torch.empty(BLOCK_BYTES + 8, dtype=torch.uint8), None))
+    then = torch.arange(10, dtype=torch.int64).view(5, 2)
+    assert _changed_spans(then, then.clone(), pairs) == []
+    now = then.clone()
+    now[1, 0] ^= 1
+    now[2, 1] ^= 1
+    now[4, 0] ^= 1
+    assert _changed_spans(then, now, pairs) == [
+        (0, BLOCK_BYTES, 3 * BLOCK_BYTES),
+        (1, BLOCK_BYTES, BLOCK_BYTES + 8),
+    ]
+    assert _changed_spans(None, now, pairs) is None
+    assert _changed_spans(then[:4], now, pairs) is None
