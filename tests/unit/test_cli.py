@@ -294,6 +294,42 @@ def test_later_level_1_sleeps_are_told_apart_by_the_cycle_before_them():
     assert only_two["level 1 after a wake"] is None and only_two["first"] == pytest.approx(100)
 
 
+def test_the_engines_own_sleep_times_are_told_apart_like_the_clients():
+    # vLLM logs each sleep's own time ("It took ... to fall asleep"): issue 38
+    # reads ours against stock's there too, without the HTTP round trip.
+    levels = [1, 1, 2, 2, 1, 1, 2, 2]
+    steps = [{"level": lv, "sleep_s": 1.0, "wake": "full", "wake_s": 0.1} for lv in levels]
+    engine = [0.500, 0.014, 0.015, 0.016, 0.020, 0.012, 0.017, 0.019]
+    summary = report._sleeps_in_engine(steps, engine)
+    assert summary["sleep_engine_ms"]["1"] == pytest.approx(17)  # 500, 14, 20, 12
+    assert summary["sleep_engine_ms"]["2"] == pytest.approx(16.5)
+    kinds = summary["sleep_engine_ms_by_kind"]
+    assert kinds["first"] == pytest.approx(500)
+    assert kinds["level 1 after a wake"] == pytest.approx(13)  # steps 2 and 6
+    assert kinds["level 1 after level 2"] == pytest.approx(20)
+    # A log without a line for every step (an older file, a failed sleep) gives none.
+    assert report._sleeps_in_engine(steps, engine[:-1]) == {}
+    assert report._sleeps_in_engine(steps, None) == {}
+
+
+def test_the_sleeps_vllm_logged_are_read_from_its_log_in_order(tmp_path):
+    from vllm_graph_sleep.bench.server import Server
+
+    log = tmp_path / "server.log"
+    server = Server("x", ["true"], {}, log)
+    assert server.sleeps_in_engine() == []  # no log yet
+    log.write_text(
+        "(EngineCore pid=1) INFO 12-06 05:44:01 [v1_executor_abstract.py:47] "
+        "It took 0.099830 seconds to fall asleep.\n"
+        "(APIServer pid=2) INFO 12-06 05:44:01 [api_router.py:38] wake up the engine\n"
+        "(EngineCore pid=1) INFO 12-06 05:44:02 [abstract.py:345] It took 0.023 seconds to "
+        "wake up tags ['weights'].\n"
+        "(EngineCore pid=1) INFO 12-06 05:44:02 [v1_executor_abstract.py:47] "
+        "It took 0.013835 seconds to fall asleep.\n"
+    )
+    assert server.sleeps_in_engine() == [0.09983, 0.013835]
+
+
 def test_table_of_recorded_data(recorded):
     table = report.format_table(recorded)
     lines = table.splitlines()

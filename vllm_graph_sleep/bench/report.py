@@ -98,6 +98,25 @@ def sleeps_ms_by_kind(steps: list[dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
+def _sleeps_in_engine(
+    steps: list[dict[str, Any]], seconds: list[float] | None
+) -> dict[str, dict[str, float | None]]:
+    """The sleeps as vLLM logged them (the engine's side, without the round
+    trip the client's figures include), per level and per kind as
+    `sleeps_ms_by_kind` tells them apart; nothing where the log has no line
+    per step (older files, a sleep that failed)."""
+    if not seconds or len(seconds) != len(steps):
+        return {}
+    timed = [{**step, "sleep_s": s} for step, s in zip(steps, seconds, strict=True)]
+    return {
+        "sleep_engine_ms": {
+            str(level): 1000 * _median([s["sleep_s"] for s in timed if s["level"] == level])
+            for level in sorted({s["level"] for s in timed})
+        },
+        "sleep_engine_ms_by_kind": sleeps_ms_by_kind(timed),
+    }
+
+
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
     """The figures of one configuration (MiB over the idle GPU, ms, tok/s)."""
     base = record.get("baseline_used_bytes") or []
@@ -140,6 +159,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         mine = [s for s in steps if (s["level"], s["wake"]) == (level, wake)]
         wake_ms[f"{level} {wake}"] = 1000 * _median([s["wake_s"] for s in mine])
     reloads = [s["reload_s"] for s in steps if s.get("reload_s")]
+    summary.update(_sleeps_in_engine(steps, record.get("sleeps_in_engine_s")))
     summary["first_sleep_pinning_ms"] = _first_sleep_pinning_ms(record)
     summary.update(
         asleep_mib=asleep,
@@ -267,6 +287,21 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
                 ("  later, after an L2 cycle and reload (ms)", "level 1 after level 2"),
             ):
                 rows.append((label, _get("sleep_ms_by_kind", kind), "{:.0f}"))
+    for level in levels:
+        rows.append(
+            (
+                f"sleep L{level} in the engine, vLLM's log (ms)",
+                _get("sleep_engine_ms", level),
+                "{:.1f}",
+            )
+        )
+        if level == "1":
+            for label, kind in (
+                ("  the run's first sleep (ms)", "first"),
+                ("  later, after an L1 cycle (ms)", "level 1 after a wake"),
+                ("  later, after an L2 cycle and reload (ms)", "level 1 after level 2"),
+            ):
+                rows.append((label, _get("sleep_engine_ms_by_kind", kind), "{:.1f}"))
     for level in levels:
         asleep = _get("asleep_before_wake_ms", level)
         rows.append((f"asleep before the wake, L{level} (ms)", asleep, "{:.0f}"))

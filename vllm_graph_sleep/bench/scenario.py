@@ -155,6 +155,8 @@ class Scenario:
         finally:
             code = self.server.stop()
             record["server_exit_code"] = code
+            # Read once the server has stopped: every line it logged is in the file.
+            record["sleeps_in_engine_s"] = self.server.sleeps_in_engine()
             record["samples"] = sampler.as_dict()
             record["events"] = self.events
             record["after_stop_used_bytes"] = wait_released(

@@ -160,6 +160,12 @@ ENGINE_INIT_LINE = re.compile(
     r"(?: \(compilation: ([\d.]+) s)?"
 )
 
+#: What vLLM 0.26's executor logs at the end of every sleep (vllm/v1/executor/
+#: abstract.py, and our patch of it, patches/v1_executor_abstract.py): the
+#: sleep's time on the engine's side, without the HTTP and engine-core round trip
+#: around it, which stock and ours pay alike.
+SLEEP_LINE = re.compile(r"It took ([\d.]+) seconds to fall asleep\.")
+
 
 class Server:
     def __init__(self, name: str, command: list[str], env: dict[str, str], log_path: Path):
@@ -220,6 +226,15 @@ class Server:
             return None
         init_s, compile_s = max(found)
         return {"engine_init_s": init_s, "compile_s": compile_s}
+
+    def sleeps_in_engine(self) -> list[float]:
+        """The seconds vLLM logged for each sleep so far, in order; empty
+        without a log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        return [float(seconds) for seconds in SLEEP_LINE.findall(text)]
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
