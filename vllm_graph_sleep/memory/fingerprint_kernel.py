@@ -2,12 +2,13 @@
 one program per block, reading it once, in steps of _STEP words; one launch
 for every block of every range a sleep fingerprints.
 
-A launch per range cost the 8B's sleeps about 45 us of Python each, 152 of
-them: 12.6 ms for 13 GiB where one range of that size takes about 6 ms
-(docs/results/sleep-speed-h100.md). So each program reads where its block
-starts and how many words it holds from a table built on the host, one row
-per block; a block's fingerprint depends only on its own words, so it is the
-same as that of a launch over its range alone."""
+Launched per range, the kernel costs the host one Triton launch for each (the
+8B's sleeps fingerprint 152): 8 GiB in 64 ranges took 14.8 ms launched per range
+and 4.0 ms in one launch on an H100 (docs/results/sleep-speed-h100.md). So
+each program reads where its block starts and how many words it holds from a
+table built on the host, one row per block; a block's fingerprint depends
+only on its own words, so it is the same as that of a launch over its range
+alone."""
 
 from __future__ import annotations
 
