@@ -466,10 +466,7 @@ def recode(
         return False
     for number, (item, item_counts) in enumerate(zip(items, counts, strict=True)):
         backup, pairs, indices = item
-        for index in indices:  # raw until coded again: what a fault leaves
-            piece = backup.pieces[index]
-            piece.coded = None
-            piece.raw = pairs[piece.pair][1][piece.offset : piece.offset + piece.size]
+        _make_raw(backup, pairs, indices)  # raw until coded again: what a fault leaves
         # The same pieces under the new table: what the coder codes them with.
         histogram = [sum(column) for column in zip(*item_counts, strict=True)]
         again = CodedBackup(exponent_codec.build_table(histogram), backup.pieces)
@@ -490,18 +487,20 @@ def too_few_to_code(
 def copy_again_raw(
     items: list[tuple[CodedBackup, list[tuple[torch.Tensor, torch.Tensor]], list[int]]],
 ) -> None:
-    """Backs up again, raw, the pieces numbered in each item (backup, its
-    pairs, piece indices), leaving the others as the host holds them; waits
-    for the copies."""
-    device = items[0][1][0][0].device
+    """Queues the raw copies of the pieces numbered in each item (backup, its
+    pairs, piece indices), leaving the others as the host holds them; the
+    caller waits for them with the sleep's other copies."""
     for backup, pairs, indices in items:
-        for index in indices:
-            piece = backup.pieces[index]
-            piece.coded = None
-            piece.raw = pairs[piece.pair][1][piece.offset : piece.offset + piece.size]
+        _make_raw(backup, pairs, indices)
         _copy_raw(backup, pairs, indices)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+
+
+def _make_raw(backup: CodedBackup, pairs, indices: Iterable[int]) -> None:
+    """Points the pieces numbered in `indices` at their raw host ranges, uncoded."""
+    for index in indices:
+        piece = backup.pieces[index]
+        piece.coded = None
+        piece.raw = pairs[piece.pair][1][piece.offset : piece.offset + piece.size]
 
 
 # Words of the sample a first use codes: one lane program's worth and more.

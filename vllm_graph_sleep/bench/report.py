@@ -109,11 +109,16 @@ def _sleeps_in_engine(
         return {}
     timed = [{**step, "sleep_s": s} for step, s in zip(steps, seconds, strict=True)]
     return {
-        "sleep_engine_ms": {
-            str(level): 1000 * _median([s["sleep_s"] for s in timed if s["level"] == level])
-            for level in sorted({s["level"] for s in timed})
-        },
+        "sleep_engine_ms": _sleep_ms_by_level(timed),
         "sleep_engine_ms_by_kind": sleeps_ms_by_kind(timed),
+    }
+
+
+def _sleep_ms_by_level(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """The median sleep of each level, in ms, keyed by the level as text."""
+    return {
+        str(level): 1000 * _median([s["sleep_s"] for s in steps if s["level"] == level])
+        for level in sorted({s["level"] for s in steps})
     }
 
 
@@ -130,7 +135,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     if "awake_used_bytes" in record:
         summary["awake_mib"] = _over(record["awake_used_bytes"], base)
     summary["tags_awake_mib"] = _tag_mib(record.get("awake_report"), "mapped")
-    asleep, freed, sleep_ms, host, pinned, tags_asleep, ledgers = {}, {}, {}, {}, {}, {}, {}
+    asleep, freed, host, pinned, tags_asleep, ledgers = {}, {}, {}, {}, {}, {}
     asleep_ms = {}
     for level in sorted({s["level"] for s in steps}):
         mine = [s for s in steps if s["level"] == level]
@@ -139,7 +144,6 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         freed[key] = _per_gpu_median(
             [_over(s["awake_used_bytes"], s["asleep_used_bytes"]) for s in mine]
         )
-        sleep_ms[key] = 1000 * _median([s["sleep_s"] for s in mine])
         intervals = [s.get("asleep_s") for s in mine]
         if None not in intervals:  # older files have no such figure
             asleep_ms[key] = 1000 * _median(intervals)
@@ -168,7 +172,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         host_backup_mib=host,
         pinned_host_mib=pinned,
         ledger_asleep=ledgers,
-        sleep_ms=sleep_ms,
+        sleep_ms=_sleep_ms_by_level(steps),
         sleep_ms_by_kind=sleeps_ms_by_kind(steps),
         asleep_before_wake_ms=asleep_ms,
         wake_ms=wake_ms,
@@ -278,30 +282,10 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
     for level in levels:
         rows += per_gpu(f"pinned host memory at L{level} (MiB)", "pinned_host_mib", level)
     rows += per_gpu("pinning in the first sleep (ms)", "first_sleep_pinning_ms")
-    for level in levels:
-        rows.append((f"sleep L{level} (ms)", _get("sleep_ms", level), "{:.0f}"))
-        if level == "1":
-            for label, kind in (
-                ("  the run's first sleep (ms)", "first"),
-                ("  later, after an L1 cycle (ms)", "level 1 after a wake"),
-                ("  later, after an L2 cycle and reload (ms)", "level 1 after level 2"),
-            ):
-                rows.append((label, _get("sleep_ms_by_kind", kind), "{:.0f}"))
-    for level in levels:
-        rows.append(
-            (
-                f"sleep L{level} in the engine, vLLM's log (ms)",
-                _get("sleep_engine_ms", level),
-                "{:.1f}",
-            )
-        )
-        if level == "1":
-            for label, kind in (
-                ("  the run's first sleep (ms)", "first"),
-                ("  later, after an L1 cycle (ms)", "level 1 after a wake"),
-                ("  later, after an L2 cycle and reload (ms)", "level 1 after level 2"),
-            ):
-                rows.append((label, _get("sleep_engine_ms_by_kind", kind), "{:.1f}"))
+    rows += _sleep_rows(levels, "sleep L{} (ms)", "sleep_ms", "{:.0f}")
+    rows += _sleep_rows(
+        levels, "sleep L{} in the engine, vLLM's log (ms)", "sleep_engine_ms", "{:.1f}"
+    )
     for level in levels:
         asleep = _get("asleep_before_wake_ms", level)
         rows.append((f"asleep before the wake, L{level} (ms)", asleep, "{:.0f}"))
@@ -317,6 +301,22 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
         ("decode after last wake, fastest run (tok/s)", "after"),
     ):
         rows.append((label, _get("decode_tps_fastest", moment), "{:.0f}"))
+    return rows
+
+
+def _sleep_rows(levels: list[str], label: str, key: str, fmt: str) -> list[tuple[str, Getter, str]]:
+    """A row per level of the sleeps under `key` (`label` names the level),
+    and under level 1 one per kind of sleep (`key`_by_kind, sleeps_ms_by_kind)."""
+    rows = []
+    for level in levels:
+        rows.append((label.format(level), _get(key, level), fmt))
+        if level == "1":
+            for kind_label, kind in (
+                ("  the run's first sleep (ms)", "first"),
+                ("  later, after an L1 cycle (ms)", "level 1 after a wake"),
+                ("  later, after an L2 cycle and reload (ms)", "level 1 after level 2"),
+            ):
+                rows.append((kind_label, _get(f"{key}_by_kind", kind), fmt))
     return rows
 
 
