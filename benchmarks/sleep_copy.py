@@ -46,6 +46,8 @@ from vllm_graph_sleep.units import GiB, MiB
 TENSORS = 64
 # The level-1 sleeps timed against the plain copy.
 SLEEP_CASES = ("changed", "unchanged", "quarter", "after_level_2")
+# Everything timed: those, the level-2 sleep and the plain copy.
+TIMED_CASES = (*SLEEP_CASES, "level_2", "plain")
 MODES = {
     "raw": {
         "VLLM_GRAPH_SLEEP_COMPRESS_BACKUPS": "0",
@@ -141,7 +143,7 @@ def run_mode(total_bytes: int, repeats: int) -> dict[str, Any]:
 
     first = sleep()
     wake()
-    seconds: dict[str, list[float]] = {case: [] for case in (*SLEEP_CASES, "level_2", "plain")}
+    seconds: dict[str, list[float]] = {case: [] for case in TIMED_CASES}
     copied: dict[str, int] = {}
     sleep_lines: dict[str, str | None] = {}
     for _ in range(repeats):
@@ -250,7 +252,7 @@ def summary_rows(report: dict[str, Any], modes: list[str]) -> list[dict[str, Any
             rows.append({"mode": mode, "case": "error", "median_ms": None})
             continue
         median = result["median_s"]
-        for case in (*SLEEP_CASES, "level_2", "plain"):
+        for case in TIMED_CASES:
             copied = result["copied_bytes"].get(case)
             rows.append(
                 {
