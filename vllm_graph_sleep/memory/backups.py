@@ -174,7 +174,7 @@ class Backups:
         if self.keep_unchanged:
             started = time.perf_counter()
             self._driver.fingerprint(
-                [torch.zeros(blocks_of.BLOCK_BYTES, dtype=torch.uint8, device=device)],
+                torch.zeros(blocks_of.BLOCK_BYTES, dtype=torch.uint8, device=device),
                 torch.empty((1, blocks_of.LANES), dtype=torch.int64, device=device),
             )
             logger.info(
@@ -369,7 +369,7 @@ class Backups:
     ) -> dict[int, torch.Tensor]:
         """Address -> host int64 [blocks, lanes] fingerprints of each
         allocation's backed-up bytes as the device holds them now, block by
-        block over its pairs: all taken on the device in one launch, then read in one copy
+        block over its pairs: all taken on the device, then read in one copy
         per device. Empty when backups are not kept."""
         if not self.keep_unchanged:
             return {}
@@ -381,9 +381,10 @@ class Backups:
         result: dict[int, torch.Tensor] = {}
         for device, on_device in by_device.items():
             ranges = [device_range for a in on_device for device_range, _ in pairs_of[a.address]]
-            count = sum(blocks_of.blocks(device_range.numel()) for device_range in ranges)
-            out = torch.empty((count, blocks_of.LANES), dtype=torch.int64, device=device)
-            self._driver.fingerprint(ranges, out)
+            counts = [blocks_of.blocks(device_range.numel()) for device_range in ranges]
+            out = torch.empty((sum(counts), blocks_of.LANES), dtype=torch.int64, device=device)
+            for device_range, rows in zip(ranges, out.split(counts), strict=True):
+                self._driver.fingerprint(device_range, rows)
             host = out.cpu()
             del out
             per_allocation = [
