@@ -18,7 +18,13 @@ each time):
 - `each`: per allocation, cuMemUnmap then cuMemRelease (what the allocator does);
 - `unmap_all_first`: every cuMemUnmap, then every cuMemRelease;
 - `one_unmap`: one cuMemUnmap over the whole range, then every cuMemRelease;
-- `threads4`: `each`, split over 4 threads.
+- `threads4`: `each`, split over 4 threads;
+- `each_beside_kernel`, `each_beside_copy`: `each`, with a busy kernel (about
+  0.1 s) or a 4 GiB device-to-host copy queued on the GPU just before, on other
+  memory. Whether the driver waits for that work before it unmaps decides
+  whether a sleep can release the KV cache while its backup's fingerprints and
+  copies run; the row says whether the work was still running when the release
+  returned.
 
     python benchmarks/release_speed.py --out release-speed.json
 
@@ -42,7 +48,10 @@ from typing import Any
 
 from vllm_graph_sleep.units import GiB
 
-WAYS = ("each", "unmap_all_first", "one_unmap", "threads4")
+BUSY_WAYS = {"each_beside_kernel": "kernel", "each_beside_copy": "copy"}
+WAYS = ("each", "unmap_all_first", "one_unmap", "threads4", *BUSY_WAYS)
+BUSY_KERNEL_CYCLES = 200_000_000  # torch.cuda._sleep: about 0.1 s at 2 GHz
+BUSY_COPY_BYTES = 4 * 1024**3
 THREADS = 4
 # CUDA driver API values (cuda.h).
 _ALLOCATION_TYPE_PINNED = 1
@@ -156,7 +165,7 @@ class Driver:
 def release(driver: Driver, way: str, base: int, chunk: int, handles: list[int]) -> None:
     """Gives back the chunks mapped at `base` one after another, `way`."""
     addresses = [base + index * chunk for index in range(len(handles))]
-    if way == "each":
+    if way in ("each", *BUSY_WAYS):
         for address, handle in zip(addresses, handles, strict=True):
             driver.unmap(address, chunk)
             driver.release(handle)
@@ -192,17 +201,48 @@ def release(driver: Driver, way: str, base: int, chunk: int, handles: list[int])
         raise ValueError(f"unknown way {way!r}")
 
 
+class BusyWork:
+    """GPU work queued on the current stream just before a timed release,
+    on memory of its own: a busy kernel or a device-to-host copy."""
+
+    def __init__(self, kind: str | None) -> None:
+        import torch
+
+        self._torch = torch
+        self.kind = kind
+        self._source = self._target = None
+        if kind == "copy":
+            self._source = torch.empty(BUSY_COPY_BYTES, dtype=torch.uint8, device="cuda")
+            self._target = torch.empty(BUSY_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+
+    def queue(self) -> None:
+        if self.kind == "kernel":
+            self._torch.cuda._sleep(BUSY_KERNEL_CYCLES)
+        elif self.kind == "copy":
+            self._target.copy_(self._source, non_blocking=True)
+
+    def still_running(self) -> bool | None:
+        if self.kind is None:
+            return None
+        running = not self._torch.cuda.current_stream().query()
+        self._torch.cuda.synchronize()
+        return running
+
+
 def measure(driver: Driver, total: int, chunks: int, way: str, wait_s: float, repeats: int):
     """Median seconds of releasing `chunks` freshly mapped allocations `way`,
     `wait_s` after they were written, with the error where one failed."""
     chunk = total // chunks
     base = driver.reserve(chunk * chunks)
     seconds: list[float] = []
+    busy = BusyWork(BUSY_WAYS.get(way))
+    still_running: list[bool | None] = []
     try:
         for _ in range(repeats):
             handles = [driver.map_written(base + i * chunk, chunk) for i in range(chunks)]
             driver.synchronize()
             time.sleep(wait_s)
+            busy.queue()
             start = time.perf_counter()
             try:
                 release(driver, way, base, chunk, handles)
@@ -219,9 +259,10 @@ def measure(driver: Driver, total: int, chunks: int, way: str, wait_s: float, re
                         pass
                 return {"error": str(error)}
             seconds.append(time.perf_counter() - start)
+            still_running.append(busy.still_running())
     finally:
         driver.free_range(base, chunk * chunks)
-    return {"seconds": statistics.median(seconds), "all_s": seconds}
+    return {"seconds": statistics.median(seconds), "all_s": seconds, "busy": still_running}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,12 +288,15 @@ def main(argv: list[str] | None = None) -> int:
         for way in args.ways:
             measured = measure(driver, chunk * args.chunks, args.chunks, way, wait_s, args.repeats)
             row = {"way": way, "wait_s": wait_s, "ms": None, "error": measured.get("error")}
+            if way in BUSY_WAYS:
+                row["gpu_work_still_running_after"] = measured.get("busy")
             if "seconds" in measured:
                 row["ms"] = round(1000 * measured["seconds"], 2)
             results.append(row)
             print(
                 f"wait {wait_s:4.1f} s  {way:16s} "
                 + (f"{row['ms']:8.2f} ms" if row["ms"] is not None else f"failed: {row['error']}")
+                + (f"  GPU work running after: {measured['busy']}" if way in BUSY_WAYS else "")
             )
     report = {
         "benchmark": "releasing mapped device memory (issue 38)",
