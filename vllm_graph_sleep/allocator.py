@@ -20,9 +20,12 @@ Rules it keeps:
   raises: the allocator stays asleep and the wake can be retried;
 - a sleep that fails while backing up, or while releasing memory it backed up,
   puts back what it released and raises `SleepError`: the allocator stays
-  awake, nothing lost. Once it releases memory without a backup it cannot go
-  back, so it finishes: what it could not release stays mapped (wake skips it),
-  and it logs the failure;
+  awake, nothing lost (but the KV cache's contents, when the caller said it
+  cleared them: the backend does, since vLLM resets that cache before every
+  sleep; the cache is then released while the device takes the backup, and
+  mapped back empty). Once it releases memory without a backup it cannot go
+  back, so it finishes: what it could not release stays mapped (wake skips
+  it), and it logs the failure;
 - a pool is dropped when its `use_memory_pool` context exits, so torch hands
   back fully free segments (dead memory after online quantization or weight
   repacking is not kept, nor backed up at sleep); sleep first releases what
@@ -69,9 +72,16 @@ from vllm_graph_sleep.memory.records import (
     WEIGHTS_TAG,
     Allocation,
     AllocationTable,
-    add,
 )
-from vllm_graph_sleep.memory.release import PartialRelease, discard, drop, release_backed_up
+from vllm_graph_sleep.memory.release import (
+    EarlyDrop,
+    PartialRelease,
+    backed_up_bytes,
+    discard,
+    drop,
+    release_backed_up,
+    release_label,
+)
 from vllm_graph_sleep.memory.report import PhaseClock, coded_note, copy_note, describe
 from vllm_graph_sleep.memory.routing import PoolRouter
 from vllm_graph_sleep.memory.stack import STACK_WHILE_ASLEEP, StackLimiter
@@ -341,8 +351,7 @@ class GraphSleepAllocator:
         torch frees it.
 
         An engine shut down asleep stops its settle thread and gets its stack
-        limit back here: a next engine in this process starts with the stack
-        the context had, and its first sleep lowers it again."""
+        limit back here: a next engine starts with the context's stack."""
         if self._settler is not None:
             self._settler.stop()
         try:
@@ -372,14 +381,20 @@ class GraphSleepAllocator:
 
     # -- sleep / wake / discard -------------------------------------------
 
-    def sleep(self, offload_tags: tuple[str, ...] | str | None = None) -> None:
-        """Backs up `offload_tags` (default: "default") to host, drops the rest.
+    def sleep(
+        self, offload_tags: tuple[str, ...] | str | None = None, *, kv_cache_cleared: bool = False
+    ) -> None:
+        """Backs up `offload_tags` (default: "default") to host, drops the rest;
+        each backed-up allocation is released once its own copies are done,
+        and with `kv_cache_cleared` a dropped KV cache while the backup runs
+        (release.EarlyDrop).
 
-        Transactional up to the first drop: a failure while backing up, or while
-        releasing memory that has a backup, maps back what was released and
-        raises `SleepError` with the allocator awake and nothing lost. Memory
-        without a backup is released last; once one such allocation is gone
-        the sleep finishes, leaving mapped (and logged) what it cannot release."""
+        Transactional up to the first drop: a failure while backing up, or
+        while releasing memory that has a backup, maps back what was released
+        and raises `SleepError` with the allocator awake and nothing lost (but,
+        with `kv_cache_cleared`, the KV cache's contents). Memory without a
+        backup is released last; once one such allocation is gone the sleep
+        finishes, leaving mapped (and logged) what it cannot release."""
         if offload_tags is None:
             offload_tags = (DEFAULT_TAG,)
         offload = self._router.normalize(offload_tags, "sleep")
@@ -398,11 +413,17 @@ class GraphSleepAllocator:
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
         clock.lap("garbage and torch's cache")
+        early = EarlyDrop(
+            self._driver, [a for a in to_drop if kv_cache_cleared and a.tag == KV_CACHE_TAG]
+        )
+        to_drop = [a for a in to_drop if a not in early.allocations]
         try:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
-            self._last_backup = self._backups.back_up(to_back_up, live, clock)
+            self._last_backup, in_flight = self._backups.back_up(
+                to_back_up, live, clock, meanwhile=early.meanwhile
+            )
         except Exception as error:
             # Copies already queued must not outlive the call: a later sleep that
             # drops these allocations, or shutdown, lets their buffers go (and a
@@ -413,36 +434,30 @@ class GraphSleepAllocator:
             raise SleepError(
                 f"sleep failed while backing up {len(to_back_up)} allocations "
                 f"({format_bytes(sum(a.size for a in to_back_up))}) to host memory: {error}. "
-                f"Nothing was released; the engine is awake, but {RESUME_HINT}."
+                f"Nothing was released{early.undo(self._backups)}; the engine is awake, "
+                f"but {RESUME_HINT}."
             ) from error
 
+        waits = len(in_flight)
         try:
-            released = release_backed_up(self._driver, self._backups, to_back_up)
+            released = release_backed_up(self._driver, self._backups, to_back_up, in_flight)
         except PartialRelease as error:
             raise SleepError(
                 f"sleep failed after releasing {error.released} of {len(to_back_up)} backed-up "
-                f"allocations: {error}. They were mapped back from their host copies; "
-                f"the engine is awake, but {RESUME_HINT}."
+                f"allocations: {error}. They were mapped back from their host copies"
+                f"{early.undo(self._backups)}; the engine is awake, but {RESUME_HINT}."
             ) from error
-        kept: dict[str, int] = {}
-        for allocation in released:
-            add(kept, allocation.tag, allocation.backup_bytes())
-        dropped = drop(self._driver, released, to_drop)
-        if dropped.failures:
-            logger.error(
-                "graph-sleep sleep: could not release %s (they stay mapped and keep their "
-                "contents; wake skips them): %s",
-                describe(dropped.still_mapped),
-                "; ".join(dropped.failures),
-            )
-        clock.lap(f"release ({len(released) + len(to_drop) - len(dropped.failures)} allocations)")
+        late = drop(self._driver, released, to_drop)
+        (dropped := early.dropped).add(late)
+        dropped.log_failures()
+        clock.lap(release_label(len(released) + len(to_drop) - len(late.failures), waits))
         stack = self._stack.lower({allocation.device for allocation in self.table.live()})
         clock.lap("stack limit")
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
         clock.lap("host buffers given back")
         logger.info(
             "graph-sleep sleep: backed up %s%s%s; dropped %s; %s; %s; %s",
-            describe(kept),
+            describe(backed_up_bytes(released)),
             copy_note(self._last_backup) if self._backups.keep_unchanged else "",
             coded_note(released),
             describe(dropped.dropped),
@@ -452,7 +467,7 @@ class GraphSleepAllocator:
         )
         if self._settler is not None:
             self._settler.start(
-                {allocation.device for allocation in (*released, *to_drop) if not allocation.mapped}
+                {a.device for a in (*released, *early.allocations, *to_drop) if not a.mapped}
             )
 
     def wake_up(self, tags: list[str] | None = None) -> None:

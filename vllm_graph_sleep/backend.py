@@ -38,7 +38,9 @@ class GraphSleepBackend(SleepModeBackend):
         offload = offload_tags_for(level, self._allocator.tags_in_use())
         # Before the allocator empties torch's cache: what it freed goes too.
         drop_sampler_scratch()
-        self._allocator.sleep(offload_tags=offload)
+        # vLLM's EngineCore.sleep has reset the prefix cache and the running
+        # requests (pause_scheduler with clear_cache) before any level >= 1.
+        self._allocator.sleep(offload_tags=offload, kv_cache_cleared=True)
         self._state = "SUSPENDED"
 
     def resume(self, tags: list[str] | None = None) -> None:

@@ -76,6 +76,9 @@ class FakeVmmDriver:
         self.probes: list[int] = []  # devices probed (probe_mapping), in order
         self.unmap_calls: list[int] = []
         self.sync_calls = 0
+        self.markers = 0  # mark_queued calls
+        # ("fingerprinted", bytes), ("waited", marker), ("unmapped", address), in order
+        self.timeline: list[tuple[str, int]] = []
         self.fingerprinted_bytes = 0
         self.routing: list[FakePool] = []  # pools allocations go to, as torch sees it
         # Weak: a log must not keep a dropped pool alive.
@@ -136,6 +139,7 @@ class FakeVmmDriver:
             raise RuntimeError("cuMemUnmap failed: invalid argument (range not mapped)")
         del self.memory[address]
         self.unmap_calls.append(address)
+        self.timeline.append(("unmapped", address))
 
     def device_bytes(self, device: int, address: int, size: int) -> torch.Tensor:
         if address not in self.memory:
@@ -146,6 +150,7 @@ class FakeVmmDriver:
         self._maybe_fail("fingerprint", "CUDA error: an illegal memory access was encountered")
         out.copy_(fingerprint_reference.fingerprints(data))
         self.fingerprinted_bytes += data.numel()
+        self.timeline.append(("fingerprinted", data.numel()))
 
     def stack_limit(self, device: int) -> int:
         self._maybe_fail("stack_limit", "cuCtxGetLimit failed: invalid context")
@@ -294,6 +299,17 @@ class FakeVmmDriver:
     def synchronize(self, device: int) -> None:
         self._maybe_fail("synchronize", "CUDA error: an illegal memory access was encountered")
         self.sync_calls += 1
+
+    # The copies are CPU copies, done when queued: a marker only records where
+    # the sleep waited, so that tests can check it waits before it releases.
+    def mark_queued(self, device: int) -> int:
+        self._maybe_fail("mark_queued", "CUDA error: an illegal memory access was encountered")
+        self.markers += 1
+        return self.markers
+
+    def wait_for_marker(self, marker: int) -> None:
+        self._maybe_fail("wait_for_marker", "CUDA error: an illegal memory access was encountered")
+        self.timeline.append(("waited", marker))
 
     def is_rocm(self) -> bool:
         return self.rocm

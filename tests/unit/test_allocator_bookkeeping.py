@@ -25,13 +25,17 @@ def allocate(driver, manager, tag, size=PAGE, value=None):
     return address
 
 
-@pytest.fixture
-def setup():
-    driver, manager = make()
+def _three_tags(**kwargs):
+    driver, manager = make(**kwargs)
     weights = allocate(driver, manager, "weights", 4 * MIB, value=1)
     kv = allocate(driver, manager, "kv_cache", 8 * MIB, value=2)
     graph = allocate(driver, manager, "cudagraph", 2 * MIB, value=3)
     return driver, manager, {"weights": weights, "kv_cache": kv, "cudagraph": graph}
+
+
+@pytest.fixture
+def setup():
+    return _three_tags()
 
 
 def test_allocations_carry_the_tag_current_at_malloc(setup):
@@ -401,9 +405,10 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     assert re.search(
         rf"\d\.\d{{3}} s \(freed allocations' host buffers {ms}, graph pool claimed {ms}, "
         rf"cuBLAS workspaces {ms}, garbage and torch's cache {ms}, backup of 2 allocations: "
-        rf"waiting for the device {ms}, host buffers {ms}, fingerprints {ms}, plan and raw "
-        rf"copies queued {ms}, copies {ms}, backup's scratch freed {ms}, release "
-        rf"\(3 allocations\) {ms}, stack limit {ms}, host buffers given back {ms}\)$",
+        rf"waiting for the device {ms}, host buffers {ms}, fingerprints {ms}, plan and "
+        rf"raw copies queued {ms}, release "
+        rf"\(3 allocations, 2 as their copies finished\) {ms}, stack limit {ms}, "
+        rf"host buffers given back {ms}\)$",
         lines[0],
     ), lines[0]
     assert re.search(
@@ -490,7 +495,8 @@ def _state(manager):
     ("call", "after"),
     [
         ("synchronize", 0),  # before the copies
-        ("synchronize", 1),  # waiting for the copies
+        ("wait_for_marker", 0),  # waiting for the first allocation's copies
+        ("wait_for_marker", 1),  # the second's: the first is mapped back from host
         ("host_buffer", 0),
         ("host_buffer", 1),  # the second backup
         ("unmap_and_release", 0),  # first backed-up allocation
@@ -515,6 +521,73 @@ def test_a_sleep_that_fails_before_dropping_anything_leaves_the_engine_awake(set
     manager.sleep(offload_tags=("weights", "cudagraph"))
     manager.wake_up()
     assert bool((driver.read(addresses["weights"]) == 1).all())
+
+
+def _index(timeline, kind, value=None):
+    return next(
+        i for i, (k, v) in enumerate(timeline) if k == kind and (value is None or v == value)
+    )
+
+
+def test_each_backed_up_allocation_is_released_once_its_own_copies_finished(setup):
+    driver, manager, addresses = setup
+    manager.sleep(offload_tags=("weights", "cudagraph"))
+    events = [event for event in driver.timeline if event[0] != "fingerprinted"]
+    for tag in ("weights", "cudagraph"):
+        released = events.index(("unmapped", addresses[tag]))
+        assert events[released - 1][0] == "waited", events
+    assert [kind for kind, _ in events].count("waited") == 2
+    # Without kv_cache_cleared the KV cache goes last, after every backup.
+    assert events[-1] == ("unmapped", addresses["kv_cache"])
+
+
+@pytest.mark.parametrize("keep_unchanged", [True, False])
+def test_a_cleared_kv_cache_is_released_while_the_backup_runs(caplog, keep_unchanged):
+    driver, manager, addresses = _three_tags(keep_unchanged_backups=keep_unchanged)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights", "cudagraph"), kv_cache_cleared=True)
+    timeline = driver.timeline
+    kv = _index(timeline, "unmapped", addresses["kv_cache"])
+    # After the fingerprints are queued (or, without them, the copies), before
+    # the host waits for any copy.
+    assert kv < _index(timeline, "waited")
+    if keep_unchanged:
+        assert _index(timeline, "fingerprinted") < kv
+    assert "kv_cache released meanwhile (1 allocations)" in caplog.text
+    assert "dropped kv_cache 8.00 MiB" in caplog.text
+    manager.wake_up()
+    for tag, value in (("weights", 1), ("cudagraph", 3)):
+        assert bool((driver.read(addresses[tag]) == value).all()), tag
+
+
+@pytest.mark.parametrize("call", ["mark_queued", "wait_for_marker"])
+def test_a_failed_sleep_brings_a_cleared_kv_cache_back_empty_and_loses_nothing_else(setup, call):
+    from vllm_graph_sleep.allocator import SleepError
+
+    driver, manager, addresses = setup
+    awake = _state(manager)
+    driver.fail(call)  # mark_queued: in the backup; wait_for_marker: in the release
+    with pytest.raises(SleepError, match="came back without its contents") as raised:
+        manager.sleep(offload_tags=("weights", "cudagraph"), kv_cache_cleared=True)
+    assert "the engine is awake" in str(raised.value)
+    assert _state(manager) == awake
+    assert driver.mapped_bytes() == 14 * MIB
+    for tag, value in (("weights", 1), ("cudagraph", 3)):
+        assert bool((driver.read(addresses[tag]) == value).all()), tag
+    manager.sleep(offload_tags=("weights", "cudagraph"), kv_cache_cleared=True)
+    manager.wake_up()
+    assert bool((driver.read(addresses["weights"]) == 1).all())
+
+
+def test_the_backend_releases_the_kv_cache_while_the_backup_runs(install_allocator):
+    from vllm_graph_sleep.backend import GraphSleepBackend
+
+    driver, manager = make()
+    install_allocator(manager)
+    allocate(driver, manager, "weights", value=1)
+    kv = allocate(driver, manager, "kv_cache", value=2)
+    GraphSleepBackend().suspend(level=1)
+    assert _index(driver.timeline, "unmapped", kv) < _index(driver.timeline, "waited")
 
 
 def test_a_drop_that_fails_finishes_the_sleep_and_wake_restores_everything(setup, caplog):

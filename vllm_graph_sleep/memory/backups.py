@@ -1,7 +1,8 @@
 """Host backups: what a sleep copies (graph-pool live ranges, host-buffer
 reuse, raw or coded) and how a wake puts it back, filling what came back
 without a backup by a `FillPolicy`. Holds no state between calls: the backup
-of an allocation lives on its record."""
+of an allocation lives on its record, and the raw copies a backup leaves
+running are handed back to the sleep (`CopiesInFlight`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -149,6 +150,92 @@ def _changed_spans(
     return spans
 
 
+def _fingerprints(
+    driver: DeviceDriver,
+    allocations: list[Allocation],
+    pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+    meanwhile: _Once,
+) -> dict[int, torch.Tensor]:
+    """Address -> host int64 [blocks, lanes] fingerprints of each
+    allocation's backed-up bytes as the device holds them now, block by
+    block over its pairs: all queued on the devices, then `meanwhile`
+    runs, then they are read in one copy per device."""
+    by_device: dict[torch.device, list[Allocation]] = {}
+    for allocation in allocations:
+        pairs = pairs_of[allocation.address]
+        if pairs:
+            by_device.setdefault(pairs[0][0].device, []).append(allocation)
+    queued: list[tuple[list[Allocation], torch.Tensor]] = []
+    for device, on_device in by_device.items():
+        ranges = [device_range for a in on_device for device_range, _ in pairs_of[a.address]]
+        counts = [blocks_of.blocks(device_range.numel()) for device_range in ranges]
+        out = torch.empty((sum(counts), blocks_of.LANES), dtype=torch.int64, device=device)
+        for device_range, rows in zip(ranges, out.split(counts), strict=True):
+            driver.fingerprint(device_range, rows)
+        queued.append((on_device, out))
+    if queued:
+        meanwhile("fingerprints queued")
+    result: dict[int, torch.Tensor] = {}
+    for on_device, out in queued:
+        host = out.cpu()
+        per_allocation = [
+            sum(blocks_of.blocks(d.numel()) for d, _ in pairs_of[a.address]) for a in on_device
+        ]
+        result.update(zip((a.address for a in on_device), host.split(per_allocation), strict=True))
+    queued.clear()  # the device copies, before the caller frees torch's cache
+    return result
+
+
+class _Once:
+    """A sleep's `meanwhile` work, run at most once, with a lap on `clock`."""
+
+    def __init__(self, work: Callable[[], str] | None, clock: PhaseClock) -> None:
+        self._work = work
+        self.clock = clock
+
+    def __call__(self, queued: str | None = None) -> None:
+        """Runs the work if it has not run; `queued`: a lap to close first."""
+        work, self._work = self._work, None
+        if work is None:
+            return
+        if queued is not None:
+            self.clock.lap(queued)
+        self.clock.lap(work())
+
+
+class CopiesInFlight:
+    """The raw copies a backup queued and did not wait for: per allocation, a
+    driver marker queued after its copies. The sleep waits for one allocation's
+    copies right before it releases that allocation, so the release of the first
+    ones runs while the copies of the later ones still do (the driver does not
+    wait for the device to unmap: release_speed's each_beside_copy,
+    docs/results/sleep-speed-h100.md)."""
+
+    def __init__(
+        self, driver: DeviceDriver, markers: dict[int, Any] | None = None, scratch: bool = False
+    ) -> None:
+        self._driver = driver
+        self._markers = markers or {}
+        self._scratch = scratch
+
+    def wait_for(self, allocation: Allocation) -> None:
+        """Returns once the backup copies of `allocation` have finished."""
+        marker = self._markers.pop(allocation.address, None)
+        if marker is not None:
+            self._driver.wait_for_marker(marker)
+
+    def __len__(self) -> int:
+        return len(self._markers)
+
+    def finish(self) -> None:
+        """Once every allocation was waited for: gives back the device copy of
+        the fingerprints that torch caches outside our pools. Earlier, freeing
+        it (cudaFree) would have waited for every copy."""
+        if self._scratch:
+            self._scratch = False
+            self._driver.release_cached_memory(collect_garbage=False)
+
+
 class Backups:
     def __init__(
         self,
@@ -228,9 +315,17 @@ class Backups:
         allocations: list[Allocation],
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock | None = None,
-    ) -> BackupCount:
-        """Copies `allocations` to pinned host buffers and waits for the copies;
-        `live`: the ranges to copy of graph-pool segments (live_ranges). With
+        meanwhile: Callable[[], str] | None = None,
+    ) -> tuple[BackupCount, CopiesInFlight]:
+        """Copies `allocations` to pinned host buffers; `live`: the ranges to
+        copy of graph-pool segments (live_ranges). A coded backup is waited
+        for; raw copies are left running, and the `CopiesInFlight` returned
+        says when each allocation's have finished: every allocation must be
+        waited for there, or its device synchronized, before its memory or its
+        host buffer is touched again. `meanwhile`, if given, runs once while the
+        device works and the host would otherwise wait for it (after the
+        fingerprints are queued, or else after the raw copies are), and names
+        its lap on `clock`. With
         keep_unchanged, the blocks whose fingerprint equals that of the backup
         an allocation's host buffer still holds are not copied again; of a
         coded backup, the pieces with a changed block are coded again (with a
@@ -245,8 +340,9 @@ class Backups:
         replaced one), so dropping `allocation.host` is all a replacement needs.
         On failure no host buffer of `allocations` is trusted any more: a copy
         may have written part of it."""
+        once = _Once(meanwhile, clock or PhaseClock())
         try:
-            return self._back_up(allocations, live, clock or PhaseClock())
+            return self._back_up(allocations, live, once.clock, once)
         except BaseException:
             for allocation in allocations:
                 allocation.fingerprints = None
@@ -257,7 +353,8 @@ class Backups:
         allocations: list[Allocation],
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock,
-    ) -> BackupCount:
+        meanwhile: _Once,
+    ) -> tuple[BackupCount, CopiesInFlight]:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
         clock.lap(f"backup of {len(allocations)} allocations: waiting for the device")
@@ -278,7 +375,11 @@ class Backups:
                 allocation.host = self._driver.host_buffer(needed)
             pairs_of[allocation.address] = self.pairs(allocation)
         clock.lap("host buffers")
-        now = self._fingerprints(allocations, pairs_of)
+        now = (
+            _fingerprints(self._driver, allocations, pairs_of, meanwhile)
+            if self.keep_unchanged
+            else {}
+        )
         clock.lap("fingerprints")
         copied: dict[int, int] = {}
         # Per device: coded backups to code again whole, and pieces of others.
@@ -311,6 +412,7 @@ class Backups:
                     host_range.copy_(device_range, non_blocking=True)
                 copied[allocation.address] = sum(d.numel() for d, _ in spans)
         clock.lap("plan and raw copies queued")
+        meanwhile()
         if to_code or to_recode:
             # Imported here: it brings Triton, which nothing else needs.
             from vllm_graph_sleep import coded_backup
@@ -343,17 +445,25 @@ class Backups:
         for allocation in allocations:
             add(count.copied, allocation.tag, copied[allocation.address])
             add(count.kept, allocation.tag, allocation.backup_bytes() - copied[allocation.address])
+        for allocation in allocations:
+            allocation.has_backup = True
+        if not (to_code or to_recode):
+            # Raw copies only, queued in this order on each device's stream: a
+            # marker after each allocation's.
+            markers = {
+                a.address: self._driver.mark_queued(a.device)
+                for a in allocations
+                if copied[a.address]
+            }
+            return count, CopiesInFlight(self._driver, markers, scratch=bool(now))
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
         clock.lap("copies")
-        if to_code or to_recode or now:
-            # The coder's scratch and the fingerprints' device copy, cached by
-            # torch outside our pools.
-            self._driver.release_cached_memory(collect_garbage=False)
-            clock.lap("backup's scratch freed")
-        for allocation in allocations:
-            allocation.has_backup = True
-        return count
+        # The coder's scratch and the fingerprints' device copy, cached by torch
+        # outside our pools.
+        self._driver.release_cached_memory(collect_garbage=False)
+        clock.lap("backup's scratch freed")
+        return count, CopiesInFlight(self._driver)
 
     def _tensor_starts(self, allocations: list[Allocation]) -> list[list[int]]:
         """Per allocation, the offsets where torch placed its tensors: a coded
@@ -361,39 +471,6 @@ class Backups:
         of some layers) is coded again alone."""
         starts = self._driver.block_offsets({a.address for a in allocations})
         return [starts.get(a.address, []) for a in allocations]
-
-    def _fingerprints(
-        self,
-        allocations: list[Allocation],
-        pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
-    ) -> dict[int, torch.Tensor]:
-        """Address -> host int64 [blocks, lanes] fingerprints of each
-        allocation's backed-up bytes as the device holds them now, block by
-        block over its pairs: all taken on the device, then read in one copy
-        per device. Empty when backups are not kept."""
-        if not self.keep_unchanged:
-            return {}
-        by_device: dict[torch.device, list[Allocation]] = {}
-        for allocation in allocations:
-            pairs = pairs_of[allocation.address]
-            if pairs:
-                by_device.setdefault(pairs[0][0].device, []).append(allocation)
-        result: dict[int, torch.Tensor] = {}
-        for device, on_device in by_device.items():
-            ranges = [device_range for a in on_device for device_range, _ in pairs_of[a.address]]
-            counts = [blocks_of.blocks(device_range.numel()) for device_range in ranges]
-            out = torch.empty((sum(counts), blocks_of.LANES), dtype=torch.int64, device=device)
-            for device_range, rows in zip(ranges, out.split(counts), strict=True):
-                self._driver.fingerprint(device_range, rows)
-            host = out.cpu()
-            del out
-            per_allocation = [
-                sum(blocks_of.blocks(d.numel()) for d, _ in pairs_of[a.address]) for a in on_device
-            ]
-            result.update(
-                zip((a.address for a in on_device), host.split(per_allocation), strict=True)
-            )
-        return result
 
     def device_bytes(self, allocation: Allocation) -> torch.Tensor:
         return self._driver.device_bytes(allocation.device, allocation.address, allocation.size)
@@ -497,8 +574,10 @@ class Backups:
     def restore_after_failed_sleep(
         self, released: list[Allocation], backed_up: list[Allocation]
     ) -> None:
-        """Maps `released` back from their host copies; every backup is then
-        marked stale (the allocator is awake and writes will follow)."""
+        """Maps `released` back from their host copies; every backup of
+        `backed_up` is then marked stale (the allocator is awake and writes
+        will follow), and none of their fingerprints is trusted any more: a
+        copy that failed may have written part of a host buffer."""
         restored: list[Allocation] = []
         for allocation in released:
             try:
@@ -515,6 +594,7 @@ class Backups:
             restored.append(allocation)
         self.restore(restored, restored)
         for allocation in backed_up:
+            allocation.fingerprints = None
             if allocation.mapped:
                 allocation.has_backup = False
 

@@ -6,13 +6,19 @@ Holds no state: what is mapped lives on each allocation's record."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from vllm_graph_sleep.memory.records import Allocation, add
+from vllm_graph_sleep.memory.records import KV_CACHE_TAG, Allocation, add
+from vllm_graph_sleep.memory.report import describe
+from vllm_graph_sleep.units import format_bytes
 
 if TYPE_CHECKING:
-    from vllm_graph_sleep.memory.backups import Backups
+    from vllm_graph_sleep.memory.backups import Backups, CopiesInFlight
     from vllm_graph_sleep.memory.driver import DeviceDriver
+
+logger = logging.getLogger("vllm.graph_sleep")
 
 
 class PartialRelease(Exception):
@@ -25,19 +31,25 @@ class PartialRelease(Exception):
 
 
 def release_backed_up(
-    driver: DeviceDriver, backups: Backups, backed_up: list[Allocation]
+    driver: DeviceDriver,
+    backups: Backups,
+    backed_up: list[Allocation],
+    in_flight: CopiesInFlight,
 ) -> list[Allocation]:
-    """Unmaps `backed_up` (their backups are complete); on a failure maps back
-    those already released and raises `PartialRelease`."""
+    """Unmaps `backed_up`, each once its backup copies (`in_flight`) have
+    finished, then lets `in_flight` give back its scratch; on a failure maps
+    back those already released and raises `PartialRelease`."""
     released: list[Allocation] = []
     try:
         for allocation in backed_up:
+            in_flight.wait_for(allocation)
             driver.unmap_and_release(*allocation.vmm_args())
             allocation.mapped = False
             released.append(allocation)
     except Exception as error:
         backups.restore_after_failed_sleep(released, backed_up)
         raise PartialRelease(len(released), error) from error
+    in_flight.finish()
     return released
 
 
@@ -50,6 +62,39 @@ class Dropped:
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     still_mapped: dict[str, int] = dataclasses.field(default_factory=dict)
     failures: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, other: Dropped) -> None:
+        """Counts `other` (another drop of the same sleep) in this one."""
+        for tag, size in other.dropped.items():
+            add(self.dropped, tag, size)
+        for tag, size in other.still_mapped.items():
+            add(self.still_mapped, tag, size)
+        self.failures.extend(other.failures)
+
+    def log_failures(self) -> None:
+        if self.failures:
+            logger.error(
+                "graph-sleep sleep: could not release %s (they stay mapped and keep their "
+                "contents; wake skips them): %s",
+                describe(self.still_mapped),
+                "; ".join(self.failures),
+            )
+
+
+def release_label(released: int, waited: int) -> str:
+    """The release's lap in a sleep's log line: allocations released, and how
+    many of them waited for their own backup copies first."""
+    return f"release ({released} allocations" + (
+        f", {waited} as their copies finished)" if waited else ")"
+    )
+
+
+def backed_up_bytes(released: list[Allocation]) -> dict[str, int]:
+    """Bytes per tag of the backups of `released`."""
+    kept: dict[str, int] = {}
+    for allocation in released:
+        add(kept, allocation.tag, allocation.backup_bytes())
+    return kept
 
 
 def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocation]) -> Dropped:
@@ -80,6 +125,41 @@ def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocat
         allocation.has_backup = False
         add(result.dropped, allocation.tag, allocation.size)
     return result
+
+
+class EarlyDrop:
+    """The KV cache a sleep releases while the device takes its backup, when
+    the caller has given up its contents (allocator.sleep's kv_cache_cleared):
+    `meanwhile` is the backup's work for the host, and after a failed sleep
+    `undo` maps the cache back, filled like after a wake. The driver does not
+    wait for the device to unmap (release_speed's each_beside_kernel,
+    docs/results/sleep-speed-h100.md), so the release and the backup overlap."""
+
+    def __init__(self, driver: DeviceDriver, allocations: list[Allocation]) -> None:
+        self._driver = driver
+        self.allocations = allocations
+        self.dropped = Dropped()
+
+    @property
+    def meanwhile(self) -> Callable[[], str] | None:
+        return self._run if self.allocations else None
+
+    def _run(self) -> str:
+        self.dropped = drop(self._driver, [], self.allocations)
+        count = len(self.allocations) - len(self.dropped.failures)
+        return f"{KV_CACHE_TAG} released meanwhile ({count} allocations)"
+
+    def undo(self, backups: Backups) -> str:
+        """Maps back what `meanwhile` released; says so, for the sleep's error."""
+        emptied = [allocation for allocation in self.allocations if not allocation.mapped]
+        if not emptied:
+            return ""
+        backups.restore_after_failed_sleep(emptied, [])
+        size = format_bytes(sum(allocation.size for allocation in emptied))
+        return (
+            f" (but the {KV_CACHE_TAG}, {size} released while the backup ran, came back "
+            "without its contents: vLLM clears it before every sleep)"
+        )
 
 
 def discard(driver: DeviceDriver, allocations: list[Allocation]) -> int:
