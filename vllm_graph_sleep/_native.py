@@ -212,14 +212,6 @@ class VmmDriver:
     def synchronize(self, device: int) -> None:
         torch.cuda.synchronize(device)
 
-    def mark_queued(self, device: int) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return event
-
-    def wait_for_marker(self, marker: torch.cuda.Event) -> None:
-        marker.synchronize()
-
     def is_rocm(self) -> bool:
         # The extension's build decides the ROCm behaviour (zero-on-wake), not
         # torch: a test build runs the ROCm path on CUDA (tests/rocm_shim/).

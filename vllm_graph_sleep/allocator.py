@@ -80,7 +80,6 @@ from vllm_graph_sleep.memory.release import (
     discard,
     drop,
     release_backed_up,
-    release_label,
 )
 from vllm_graph_sleep.memory.report import PhaseClock, coded_note, copy_note, describe
 from vllm_graph_sleep.memory.routing import PoolRouter
@@ -385,9 +384,8 @@ class GraphSleepAllocator:
         self, offload_tags: tuple[str, ...] | str | None = None, *, kv_cache_cleared: bool = False
     ) -> None:
         """Backs up `offload_tags` (default: "default") to host, drops the rest;
-        each backed-up allocation is released once its own copies are done,
-        and with `kv_cache_cleared` a dropped KV cache while the backup runs
-        (release.EarlyDrop).
+        with `kv_cache_cleared`, a dropped KV cache is released while the device
+        takes the backup's fingerprints (release.EarlyDrop).
 
         Transactional up to the first drop: a failure while backing up, or
         while releasing memory that has a backup, maps back what was released
@@ -421,7 +419,7 @@ class GraphSleepAllocator:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
-            self._last_backup, in_flight = self._backups.back_up(
+            self._last_backup = self._backups.back_up(
                 to_back_up, live, clock, meanwhile=early.meanwhile
             )
         except Exception as error:
@@ -438,9 +436,8 @@ class GraphSleepAllocator:
                 f"but {RESUME_HINT}."
             ) from error
 
-        waits = len(in_flight)
         try:
-            released = release_backed_up(self._driver, self._backups, to_back_up, in_flight)
+            released = release_backed_up(self._driver, self._backups, to_back_up)
         except PartialRelease as error:
             raise SleepError(
                 f"sleep failed after releasing {error.released} of {len(to_back_up)} backed-up "
@@ -448,9 +445,10 @@ class GraphSleepAllocator:
                 f"{early.undo(self._backups)}; the engine is awake, but {RESUME_HINT}."
             ) from error
         late = drop(self._driver, released, to_drop)
-        (dropped := early.dropped).add(late)
+        dropped = early.dropped
+        dropped.add(late)
         dropped.log_failures()
-        clock.lap(release_label(len(released) + len(to_drop) - len(late.failures), waits))
+        clock.lap(f"release ({len(released) + len(to_drop) - len(late.failures)} allocations)")
         stack = self._stack.lower({allocation.device for allocation in self.table.live()})
         clock.lap("stack limit")
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped

@@ -76,8 +76,7 @@ class FakeVmmDriver:
         self.probes: list[int] = []  # devices probed (probe_mapping), in order
         self.unmap_calls: list[int] = []
         self.sync_calls = 0
-        self.markers = 0  # mark_queued calls
-        # ("fingerprinted", bytes), ("waited", marker), ("unmapped", address), in order
+        # ("fingerprinted", bytes), ("synchronized", device), ("unmapped", address), in order
         self.timeline: list[tuple[str, int]] = []
         self.fingerprinted_bytes = 0
         self.routing: list[FakePool] = []  # pools allocations go to, as torch sees it
@@ -299,17 +298,7 @@ class FakeVmmDriver:
     def synchronize(self, device: int) -> None:
         self._maybe_fail("synchronize", "CUDA error: an illegal memory access was encountered")
         self.sync_calls += 1
-
-    # The copies are CPU copies, done when queued: a marker only records where
-    # the sleep waited, so that tests can check it waits before it releases.
-    def mark_queued(self, device: int) -> int:
-        self._maybe_fail("mark_queued", "CUDA error: an illegal memory access was encountered")
-        self.markers += 1
-        return self.markers
-
-    def wait_for_marker(self, marker: int) -> None:
-        self._maybe_fail("wait_for_marker", "CUDA error: an illegal memory access was encountered")
-        self.timeline.append(("waited", marker))
+        self.timeline.append(("synchronized", device))
 
     def is_rocm(self) -> bool:
         return self.rocm

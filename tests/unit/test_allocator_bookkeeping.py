@@ -406,9 +406,8 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
         rf"\d\.\d{{3}} s \(freed allocations' host buffers {ms}, graph pool claimed {ms}, "
         rf"cuBLAS workspaces {ms}, garbage and torch's cache {ms}, backup of 2 allocations: "
         rf"waiting for the device {ms}, host buffers {ms}, fingerprints {ms}, plan and "
-        rf"raw copies queued {ms}, release "
-        rf"\(3 allocations, 2 as their copies finished\) {ms}, stack limit {ms}, "
-        rf"host buffers given back {ms}\)$",
+        rf"raw copies queued {ms}, copies {ms}, backup's scratch freed {ms}, release "
+        rf"\(3 allocations\) {ms}, stack limit {ms}, host buffers given back {ms}\)$",
         lines[0],
     ), lines[0]
     assert re.search(
@@ -495,8 +494,7 @@ def _state(manager):
     ("call", "after"),
     [
         ("synchronize", 0),  # before the copies
-        ("wait_for_marker", 0),  # waiting for the first allocation's copies
-        ("wait_for_marker", 1),  # the second's: the first is mapped back from host
+        ("synchronize", 1),  # waiting for the copies
         ("host_buffer", 0),
         ("host_buffer", 1),  # the second backup
         ("unmap_and_release", 0),  # first backed-up allocation
@@ -529,18 +527,6 @@ def _index(timeline, kind, value=None):
     )
 
 
-def test_each_backed_up_allocation_is_released_once_its_own_copies_finished(setup):
-    driver, manager, addresses = setup
-    manager.sleep(offload_tags=("weights", "cudagraph"))
-    events = [event for event in driver.timeline if event[0] != "fingerprinted"]
-    for tag in ("weights", "cudagraph"):
-        released = events.index(("unmapped", addresses[tag]))
-        assert events[released - 1][0] == "waited", events
-    assert [kind for kind, _ in events].count("waited") == 2
-    # Without kv_cache_cleared the KV cache goes last, after every backup.
-    assert events[-1] == ("unmapped", addresses["kv_cache"])
-
-
 @pytest.mark.parametrize("keep_unchanged", [True, False])
 def test_a_cleared_kv_cache_is_released_while_the_backup_runs(caplog, keep_unchanged):
     driver, manager, addresses = _three_tags(keep_unchanged_backups=keep_unchanged)
@@ -548,11 +534,17 @@ def test_a_cleared_kv_cache_is_released_while_the_backup_runs(caplog, keep_uncha
         manager.sleep(offload_tags=("weights", "cudagraph"), kv_cache_cleared=True)
     timeline = driver.timeline
     kv = _index(timeline, "unmapped", addresses["kv_cache"])
-    # After the fingerprints are queued (or, without them, the copies), before
-    # the host waits for any copy.
-    assert kv < _index(timeline, "waited")
+    copies_done = max(i for i, (kind, _) in enumerate(timeline) if kind == "synchronized")
     if keep_unchanged:
-        assert _index(timeline, "fingerprinted") < kv
+        # After the fingerprints are queued, before the host waits for them
+        # and for the copies.
+        assert max(i for i, (k, _) in enumerate(timeline) if k == "fingerprinted") < kv
+        assert kv < copies_done
+    else:
+        assert copies_done < kv
+    # The first release, before any backed-up allocation's.
+    assert kv == _index(timeline, "unmapped")
+    assert ("unmapped", addresses["weights"]) in timeline[kv + 1 :]
     assert "kv_cache released meanwhile (1 allocations)" in caplog.text
     assert "dropped kv_cache 8.00 MiB" in caplog.text
     manager.wake_up()
@@ -560,13 +552,15 @@ def test_a_cleared_kv_cache_is_released_while_the_backup_runs(caplog, keep_uncha
         assert bool((driver.read(addresses[tag]) == value).all()), tag
 
 
-@pytest.mark.parametrize("call", ["mark_queued", "wait_for_marker"])
+@pytest.mark.parametrize("call", ["synchronize", "unmap_and_release"])
 def test_a_failed_sleep_brings_a_cleared_kv_cache_back_empty_and_loses_nothing_else(setup, call):
     from vllm_graph_sleep.allocator import SleepError
 
     driver, manager, addresses = setup
     awake = _state(manager)
-    driver.fail(call)  # mark_queued: in the backup; wait_for_marker: in the release
+    # Both after the KV cache went: waiting for the copies (the backup fails),
+    # releasing the first backed-up allocation (the release fails).
+    driver.fail(call, after=1)
     with pytest.raises(SleepError, match="came back without its contents") as raised:
         manager.sleep(offload_tags=("weights", "cudagraph"), kv_cache_cleared=True)
     assert "the engine is awake" in str(raised.value)
@@ -587,7 +581,9 @@ def test_the_backend_releases_the_kv_cache_while_the_backup_runs(install_allocat
     allocate(driver, manager, "weights", value=1)
     kv = allocate(driver, manager, "kv_cache", value=2)
     GraphSleepBackend().suspend(level=1)
-    assert _index(driver.timeline, "unmapped", kv) < _index(driver.timeline, "waited")
+    timeline = driver.timeline
+    assert _index(timeline, "fingerprinted") < _index(timeline, "unmapped", kv)
+    assert timeline[-1] != ("unmapped", kv)  # the weights went after it
 
 
 def test_a_drop_that_fails_finishes_the_sleep_and_wake_restores_everything(setup, caplog):

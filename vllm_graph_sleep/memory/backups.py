@@ -1,8 +1,7 @@
 """Host backups: what a sleep copies (graph-pool live ranges, host-buffer
 reuse, raw or coded) and how a wake puts it back, filling what came back
 without a backup by a `FillPolicy`. Holds no state between calls: the backup
-of an allocation lives on its record, and the raw copies a backup leaves
-running are handed back to the sleep (`CopiesInFlight`)."""
+of an allocation lives on its record."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -203,39 +202,6 @@ class _Once:
         self.clock.lap(work())
 
 
-class CopiesInFlight:
-    """The raw copies a backup queued and did not wait for: per allocation, a
-    driver marker queued after its copies. The sleep waits for one allocation's
-    copies right before it releases that allocation, so the release of the first
-    ones runs while the copies of the later ones still do (the driver does not
-    wait for the device to unmap: release_speed's each_beside_copy,
-    docs/results/sleep-speed-h100.md)."""
-
-    def __init__(
-        self, driver: DeviceDriver, markers: dict[int, Any] | None = None, scratch: bool = False
-    ) -> None:
-        self._driver = driver
-        self._markers = markers or {}
-        self._scratch = scratch
-
-    def wait_for(self, allocation: Allocation) -> None:
-        """Returns once the backup copies of `allocation` have finished."""
-        marker = self._markers.pop(allocation.address, None)
-        if marker is not None:
-            self._driver.wait_for_marker(marker)
-
-    def __len__(self) -> int:
-        return len(self._markers)
-
-    def finish(self) -> None:
-        """Once every allocation was waited for: gives back the device copy of
-        the fingerprints that torch caches outside our pools. Earlier, freeing
-        it (cudaFree) would have waited for every copy."""
-        if self._scratch:
-            self._scratch = False
-            self._driver.release_cached_memory(collect_garbage=False)
-
-
 class Backups:
     def __init__(
         self,
@@ -316,16 +282,12 @@ class Backups:
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock | None = None,
         meanwhile: Callable[[], str] | None = None,
-    ) -> tuple[BackupCount, CopiesInFlight]:
-        """Copies `allocations` to pinned host buffers; `live`: the ranges to
-        copy of graph-pool segments (live_ranges). A coded backup is waited
-        for; raw copies are left running, and the `CopiesInFlight` returned
-        says when each allocation's have finished: every allocation must be
-        waited for there, or its device synchronized, before its memory or its
-        host buffer is touched again. `meanwhile`, if given, runs once while the
-        device works and the host would otherwise wait for it (after the
-        fingerprints are queued, or else after the raw copies are), and names
-        its lap on `clock`. With
+    ) -> BackupCount:
+        """Copies `allocations` to pinned host buffers and waits for the copies;
+        `live`: the ranges to copy of graph-pool segments (live_ranges).
+        `meanwhile`, if given, runs once, while the device takes the
+        fingerprints (or, without any, once the copies are done), and names its
+        lap on `clock`. With
         keep_unchanged, the blocks whose fingerprint equals that of the backup
         an allocation's host buffer still holds are not copied again; of a
         coded backup, the pieces with a changed block are coded again (with a
@@ -342,7 +304,9 @@ class Backups:
         may have written part of it."""
         once = _Once(meanwhile, clock or PhaseClock())
         try:
-            return self._back_up(allocations, live, once.clock, once)
+            count = self._back_up(allocations, live, once.clock, once)
+            once()  # nothing was fingerprinted
+            return count
         except BaseException:
             for allocation in allocations:
                 allocation.fingerprints = None
@@ -354,7 +318,7 @@ class Backups:
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock,
         meanwhile: _Once,
-    ) -> tuple[BackupCount, CopiesInFlight]:
+    ) -> BackupCount:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
         clock.lap(f"backup of {len(allocations)} allocations: waiting for the device")
@@ -412,7 +376,6 @@ class Backups:
                     host_range.copy_(device_range, non_blocking=True)
                 copied[allocation.address] = sum(d.numel() for d, _ in spans)
         clock.lap("plan and raw copies queued")
-        meanwhile()
         if to_code or to_recode:
             # Imported here: it brings Triton, which nothing else needs.
             from vllm_graph_sleep import coded_backup
@@ -445,25 +408,17 @@ class Backups:
         for allocation in allocations:
             add(count.copied, allocation.tag, copied[allocation.address])
             add(count.kept, allocation.tag, allocation.backup_bytes() - copied[allocation.address])
-        for allocation in allocations:
-            allocation.has_backup = True
-        if not (to_code or to_recode):
-            # Raw copies only, queued in this order on each device's stream: a
-            # marker after each allocation's.
-            markers = {
-                a.address: self._driver.mark_queued(a.device)
-                for a in allocations
-                if copied[a.address]
-            }
-            return count, CopiesInFlight(self._driver, markers, scratch=bool(now))
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
         clock.lap("copies")
-        # The coder's scratch and the fingerprints' device copy, cached by torch
-        # outside our pools.
-        self._driver.release_cached_memory(collect_garbage=False)
-        clock.lap("backup's scratch freed")
-        return count, CopiesInFlight(self._driver)
+        if to_code or to_recode or now:
+            # The coder's scratch and the fingerprints' device copy, cached by
+            # torch outside our pools.
+            self._driver.release_cached_memory(collect_garbage=False)
+            clock.lap("backup's scratch freed")
+        for allocation in allocations:
+            allocation.has_backup = True
+        return count
 
     def _tensor_starts(self, allocations: list[Allocation]) -> list[list[int]]:
         """Per allocation, the offsets where torch placed its tensors: a coded
@@ -574,10 +529,8 @@ class Backups:
     def restore_after_failed_sleep(
         self, released: list[Allocation], backed_up: list[Allocation]
     ) -> None:
-        """Maps `released` back from their host copies; every backup of
-        `backed_up` is then marked stale (the allocator is awake and writes
-        will follow), and none of their fingerprints is trusted any more: a
-        copy that failed may have written part of a host buffer."""
+        """Maps `released` back from their host copies; every backup is then
+        marked stale (the allocator is awake and writes will follow)."""
         restored: list[Allocation] = []
         for allocation in released:
             try:
@@ -594,7 +547,6 @@ class Backups:
             restored.append(allocation)
         self.restore(restored, restored)
         for allocation in backed_up:
-            allocation.fingerprints = None
             if allocation.mapped:
                 allocation.has_backup = False
 

@@ -74,16 +74,6 @@ class DeviceDriver(Protocol):
         """Waits for all work queued on `device`. RuntimeError for a broken device."""
         ...
 
-    def mark_queued(self, device: int) -> Any:
-        """A marker queued on `device`'s current stream after the work queued
-        there so far (a recorded event)."""
-        ...
-
-    def wait_for_marker(self, marker: Any) -> None:
-        """Waits until the work queued before `marker` has finished.
-        RuntimeError for a broken device."""
-        ...
-
     def is_rocm(self) -> bool:
         """Whether the extension was built for ROCm (the build decides, not torch)."""
         ...

@@ -1,7 +1,8 @@
-"""Unmapping: the half of a sleep that releases, first the allocations that
-have a host backup, all or none (a failure maps back what went), then the
-ones dropped without a backup, as many as the driver lets go; and a discard.
-Holds no state: what is mapped lives on each allocation's record."""
+"""Unmapping: the half of a sleep that releases: a KV cache the caller has
+cleared, while the backup runs (EarlyDrop); then the allocations that have a
+host backup, all or none (a failure maps back what went); then the other ones
+dropped without a backup, as many as the driver lets go; and a discard. Holds
+no state past a sleep: what is mapped lives on each allocation's record."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from vllm_graph_sleep.memory.report import describe
 from vllm_graph_sleep.units import format_bytes
 
 if TYPE_CHECKING:
-    from vllm_graph_sleep.memory.backups import Backups, CopiesInFlight
+    from vllm_graph_sleep.memory.backups import Backups
     from vllm_graph_sleep.memory.driver import DeviceDriver
 
 logger = logging.getLogger("vllm.graph_sleep")
@@ -31,25 +32,19 @@ class PartialRelease(Exception):
 
 
 def release_backed_up(
-    driver: DeviceDriver,
-    backups: Backups,
-    backed_up: list[Allocation],
-    in_flight: CopiesInFlight,
+    driver: DeviceDriver, backups: Backups, backed_up: list[Allocation]
 ) -> list[Allocation]:
-    """Unmaps `backed_up`, each once its backup copies (`in_flight`) have
-    finished, then lets `in_flight` give back its scratch; on a failure maps
-    back those already released and raises `PartialRelease`."""
+    """Unmaps `backed_up` (their backups are complete); on a failure maps back
+    those already released and raises `PartialRelease`."""
     released: list[Allocation] = []
     try:
         for allocation in backed_up:
-            in_flight.wait_for(allocation)
             driver.unmap_and_release(*allocation.vmm_args())
             allocation.mapped = False
             released.append(allocation)
     except Exception as error:
         backups.restore_after_failed_sleep(released, backed_up)
         raise PartialRelease(len(released), error) from error
-    in_flight.finish()
     return released
 
 
@@ -79,14 +74,6 @@ class Dropped:
                 describe(self.still_mapped),
                 "; ".join(self.failures),
             )
-
-
-def release_label(released: int, waited: int) -> str:
-    """The release's lap in a sleep's log line: allocations released, and how
-    many of them waited for their own backup copies first."""
-    return f"release ({released} allocations" + (
-        f", {waited} as their copies finished)" if waited else ")"
-    )
 
 
 def backed_up_bytes(released: list[Allocation]) -> dict[str, int]:
@@ -128,12 +115,13 @@ def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocat
 
 
 class EarlyDrop:
-    """The KV cache a sleep releases while the device takes its backup, when
-    the caller has given up its contents (allocator.sleep's kv_cache_cleared):
-    `meanwhile` is the backup's work for the host, and after a failed sleep
-    `undo` maps the cache back, filled like after a wake. The driver does not
-    wait for the device to unmap (release_speed's each_beside_kernel,
-    docs/results/sleep-speed-h100.md), so the release and the backup overlap."""
+    """The KV cache a sleep releases while the device takes its backup's
+    fingerprints, when the caller has given up its contents (allocator.sleep's
+    kv_cache_cleared): `meanwhile` is that work, for the host to do while it
+    would otherwise wait, and after a failed sleep `undo` maps the cache back,
+    filled like after a wake. The driver does not wait for the device to unmap
+    (release_speed's each_beside_kernel), so the two overlap (the 8B's sleeps:
+    docs/results/sleep-speed-h100.md)."""
 
     def __init__(self, driver: DeviceDriver, allocations: list[Allocation]) -> None:
         self._driver = driver
