@@ -2,17 +2,19 @@
 own read bandwidth, and what the kernel's launch shape changes (issue 38).
 
 A sleep that keeps unchanged backups first fingerprints every byte it would
-back up: on the 8B-class Llama (13 GiB in 152 allocations) that took 13.0 and
-13.7 ms of its 42 and 72 ms level-1 sleeps with nothing changed (run 19's
-server logs, docs/results/h200-2026-12-04b.tar.gz), about 1 TB/s on an H200
-that reads several times faster. Issue 38 asks that sleep to take at most 0.15x
-stock's (about 51 ms against run 15's 342 ms). Over --gib of random bytes,
-median wall time of --repeats (each call waited for):
-- `sleep_ranges`: the driver's fingerprint call once for each of --ranges
-  equal ranges, as a sleep makes it;
-- `one_range`: the same call over all the bytes at once;
-- `step<STEP>_warps<W>`: the same kernel launched over all the bytes with
-  another STEP and num_warps; its fingerprints must equal `one_range`'s (the
+back up (on the 8B-class Llama, 13 GiB in 152 allocations), in one launch.
+The calls here come back to back over slices of one allocation, so they time
+the kernel's shapes, not a sleep: a kernel that ran 3.3 ms here took 21-27 ms
+inside sleep_copy's sleeps (docs/results/sleep-speed-h100.md), and sleep_copy
+is what says how long a sleep's fingerprints take. Over --gib of random bytes
+cut into --ranges equal ranges, median wall time of --repeats (each call
+waited for):
+- `per_range`: the driver's fingerprint call once for each range, as a
+  sleep made it before;
+- `one_launch`: one call over all the ranges, as a sleep makes it;
+- `one_range`: one call over all the bytes as one range;
+- `step<STEP>_warps<W>`: the kernel launched over all the ranges with
+  another STEP and num_warps; its fingerprints must equal `one_launch`'s (the
   fingerprint does not depend on either);
 - `read`: torch summing the same bytes as int64, a read at the memory's
   bandwidth: what no fingerprint can beat.
@@ -43,8 +45,8 @@ from vllm_graph_sleep.units import GiB
 
 STEPS = (1024, 2048, 4096)
 WARPS = (4, 8, 16)
-# One launch of the kernel covers at most this many words (an int32 size).
-MAX_GIB = 8
+# What a sleep of the largest single-GPU models fingerprints, about.
+MAX_GIB = 64
 
 
 def timed(action: Callable[[], Any], repeats: int, device: torch.device) -> float:
@@ -78,44 +80,48 @@ def measure(
     data = words.view(torch.uint8)
     rows = blocks(total_bytes)
     reference = torch.empty((rows, LANES), dtype=torch.int64, device=device)
-    fingerprint_kernel.fingerprint(data, reference)  # compiled here, not timed
-    parts = data.chunk(ranges)
+    parts = list(data.chunk(ranges))
+    fingerprint_kernel.fingerprint(parts, reference)  # compiled here, not timed
     part_rows = torch.empty_like(reference).split([blocks(p.numel()) for p in parts])
 
-    def sleep_ranges() -> None:
+    def per_range() -> None:
         for part, out in zip(parts, part_rows, strict=True):
-            fingerprint_kernel.fingerprint(part, out)
+            fingerprint_kernel.fingerprint([part], out)
+
+    def same_as_reference(out: torch.Tensor) -> bool:
+        return torch.equal(out, reference)
 
     results = [
-        {"case": "sleep_ranges", "seconds": timed(sleep_ranges, repeats, device), "same": True},
+        {"case": "per_range", "seconds": timed(per_range, repeats, device)},
+        {
+            "case": "one_launch",
+            "seconds": timed(
+                lambda: fingerprint_kernel.fingerprint(parts, reference), repeats, device
+            ),
+        },
         {
             "case": "one_range",
             "seconds": timed(
-                lambda: fingerprint_kernel.fingerprint(data, reference), repeats, device
+                lambda: fingerprint_kernel.fingerprint([data], reference), repeats, device
             ),
-            "same": True,
         },
     ]
+    results[0]["same"] = same_as_reference(torch.cat(part_rows))
+    results[1]["same"] = results[2]["same"] = True  # they wrote the reference
+    table = fingerprint_kernel.block_table(parts)
     for step in STEPS:
         for warps in WARPS:
             out = torch.zeros_like(reference)
 
             def launch(out=out, step=step, warps=warps) -> None:
-                fingerprint_kernel.fingerprint_kernel[(rows,)](
-                    words,
-                    out,
-                    words.numel(),
-                    BLOCK_WORDS=BLOCK_BYTES // WORD_BYTES,
-                    STEP=step,
-                    num_warps=warps,
-                )
+                fingerprint_kernel.launch(parts, table, out, step=step, num_warps=warps)
 
             launch()  # compiled here
             results.append(
                 {
                     "case": f"step{step}_warps{warps}",
                     "seconds": timed(launch, repeats, device),
-                    "same": torch.equal(out, reference),
+                    "same": same_as_reference(out),
                 }
             )
     results.append({"case": "read", "seconds": timed(words.sum, repeats, device), "same": True})

@@ -145,11 +145,11 @@ class FakeVmmDriver:
             raise RuntimeError(f"illegal memory access at {address:#x}")
         return self.memory[address]
 
-    def fingerprint(self, data: torch.Tensor, out: torch.Tensor) -> None:
+    def fingerprint(self, ranges: list[torch.Tensor], out: torch.Tensor) -> None:
         self._maybe_fail("fingerprint", "CUDA error: an illegal memory access was encountered")
-        out.copy_(fingerprint_reference.fingerprints(data))
-        self.fingerprinted_bytes += data.numel()
-        self.timeline.append(("fingerprinted", data.numel()))
+        out.copy_(torch.cat([fingerprint_reference.fingerprints(data) for data in ranges]))
+        self.fingerprinted_bytes += sum(data.numel() for data in ranges)
+        self.timeline.append(("fingerprinted", sum(data.numel() for data in ranges)))
 
     def stack_limit(self, device: int) -> int:
         self._maybe_fail("stack_limit", "cuCtxGetLimit failed: invalid context")

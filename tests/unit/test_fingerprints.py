@@ -77,9 +77,33 @@ def test_a_short_last_block_and_bad_ranges():
 
     out = torch.empty(1, fp.LANES, dtype=torch.int64)
     with pytest.raises(ValueError, match="whole 8-byte words"):
-        fingerprint_kernel.fingerprint(torch.zeros(12, dtype=torch.uint8), out)
+        fingerprint_kernel.fingerprint([torch.zeros(12, dtype=torch.uint8)], out)
+    with pytest.raises(ValueError, match="whole 8-byte words"):
+        fingerprint_kernel.fingerprint([torch.zeros(24, dtype=torch.uint8)[4:20]], out)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        fingerprint_kernel.fingerprint([torch.zeros(2, dtype=torch.int64)], out)
     with pytest.raises(ValueError, match=r"int64 \[1, 2\]"):
-        fingerprint_kernel.fingerprint(torch.zeros(16, dtype=torch.uint8), out[:, :1])
+        fingerprint_kernel.fingerprint([torch.zeros(16, dtype=torch.uint8)], out[:, :1])
+    with pytest.raises(ValueError, match=r"int64 \[2, 2\]"):
+        fingerprint_kernel.fingerprint([torch.zeros(16, dtype=torch.uint8)] * 2, out)
+
+
+def test_the_block_table_says_where_each_block_starts_and_how_many_words_it_holds():
+    pytest.importorskip("triton")
+    from vllm_graph_sleep.memory import fingerprint_kernel
+
+    words = fp.BLOCK_BYTES // fp.WORD_BYTES
+    first = torch.zeros(2 * fp.BLOCK_BYTES + 64, dtype=torch.uint8)
+    second = torch.zeros(4096, dtype=torch.uint8)
+    empty = torch.zeros(0, dtype=torch.uint8)
+    table = fingerprint_kernel.block_table([first, empty, second[8:]])
+    assert table.tolist() == [
+        [first.data_ptr(), words],
+        [first.data_ptr() + fp.BLOCK_BYTES, words],
+        [first.data_ptr() + 2 * fp.BLOCK_BYTES, 8],
+        [second.data_ptr() + 8, 511],
+    ]
+    assert fingerprint_kernel.block_table([]).shape == (0, 2)
 
 
 def _interpreted(code: str) -> subprocess.CompletedProcess:
@@ -100,23 +124,24 @@ import torch
 from tests.unit.fingerprint_reference import fingerprints
 from vllm_graph_sleep.memory import fingerprint_kernel, fingerprints as fp
 generator = torch.Generator().manual_seed(3)
+ranges = []
 for size in (8, 4096, fp.BLOCK_BYTES + 520):
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator)
     if size > 8:
         data[:512] = 0xFF  # NaN bit patterns of every float type
     out = torch.empty(fp.blocks(size), fp.LANES, dtype=torch.int64)
-    fingerprint_kernel.fingerprint(data, out)
+    fingerprint_kernel.fingerprint([data], out)
     assert torch.equal(out, fingerprints(data)), size
     # A range that starts inside a larger buffer, as a graph-pool live range does.
     inner = data[8:]
     out = torch.empty(fp.blocks(inner.numel()), fp.LANES, dtype=torch.int64)
-    fingerprint_kernel.fingerprint(inner, out)
+    fingerprint_kernel.fingerprint([inner], out)
     assert torch.equal(out, fingerprints(inner)), size
-# Launched one block at a time, as a range over 8 GiB is launched 8 GiB at a time.
-fingerprint_kernel._CHUNK_WORDS = fp.BLOCK_BYTES // fp.WORD_BYTES
-out = torch.empty(fp.blocks(data.numel()), fp.LANES, dtype=torch.int64)
-fingerprint_kernel.fingerprint(data, out)
-assert torch.equal(out, fingerprints(data)), "chunked"
+    ranges += [data, inner]
+# Every range in one launch, as a sleep takes them: each block as alone.
+out = torch.empty(sum(fp.blocks(r.numel()) for r in ranges), fp.LANES, dtype=torch.int64)
+fingerprint_kernel.fingerprint(ranges, out)
+assert torch.equal(out, torch.cat([fingerprints(r) for r in ranges])), "one launch"
 print("kernel equals reference")
 """
 
@@ -140,8 +165,8 @@ class WrongAtOtherSteps:
     # The kernel, but rows written wrong when launched with a STEP the driver
     # does not use: the benchmark must notice.
     def __getitem__(self, grid):
-        def launch(words, out, *args, STEP, **kwargs):
-            real[grid](words, out, *args, STEP=STEP, **kwargs)
+        def launch(base, table, out, *args, STEP, **kwargs):
+            real[grid](base, table, out, *args, STEP=STEP, **kwargs)
             if STEP != 2048:
                 out[0, 0] ^= 1
         return launch
@@ -159,7 +184,8 @@ def test_the_speed_benchmark_checks_every_variant_against_the_drivers_fingerprin
     result = _interpreted(_SPEED_CHECK)
     assert result.stdout.strip().splitlines()[-1] == str(
         {
-            "sleep_ranges": True,
+            "per_range": True,
+            "one_launch": True,
             "one_range": True,
             "step1024_warps4": False,
             "step2048_warps4": True,

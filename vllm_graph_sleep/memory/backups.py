@@ -167,10 +167,9 @@ def _fingerprints(
     queued: list[tuple[list[Allocation], torch.Tensor]] = []
     for device, on_device in by_device.items():
         ranges = [device_range for a in on_device for device_range, _ in pairs_of[a.address]]
-        counts = [blocks_of.blocks(device_range.numel()) for device_range in ranges]
-        out = torch.empty((sum(counts), blocks_of.LANES), dtype=torch.int64, device=device)
-        for device_range, rows in zip(ranges, out.split(counts), strict=True):
-            driver.fingerprint(device_range, rows)
+        count = sum(blocks_of.blocks(device_range.numel()) for device_range in ranges)
+        out = torch.empty((count, blocks_of.LANES), dtype=torch.int64, device=device)
+        driver.fingerprint(ranges, out)
         queued.append((on_device, out))
     if queued:
         meanwhile("fingerprints queued")
@@ -227,7 +226,7 @@ class Backups:
         if self.keep_unchanged:
             started = time.perf_counter()
             self._driver.fingerprint(
-                torch.zeros(blocks_of.BLOCK_BYTES, dtype=torch.uint8, device=device),
+                [torch.zeros(blocks_of.BLOCK_BYTES, dtype=torch.uint8, device=device)],
                 torch.empty((1, blocks_of.LANES), dtype=torch.int64, device=device),
             )
             logger.info(

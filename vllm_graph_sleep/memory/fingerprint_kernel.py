@@ -1,14 +1,15 @@
 """The Triton kernel that takes memory.fingerprints' fingerprints on the GPU:
-one program per block, reading it once, in steps of _STEP words. A launch
-covers at most _CHUNK_WORDS words, so that every size is an int32 and the
-kernel that warm-up compiled is the only one (Triton passes an integer of
-2**31 or more as i64 whatever do_not_specialize says, a second variant).
+one program per block, reading it once, in steps of _STEP words; one launch
+for every block of every range a sleep fingerprints.
 
-One launch per range, not one for every range: a kernel that read each block's
-start from a table took 21-27 ms for 8 GiB in 64 ranges inside a sleep on an
-H100, where launches per range took 6.2 ms (sleep_copy, the `unchanged` case;
-docs/results/sleep-speed-h100.md), although back-to-back calls in
-benchmarks/fingerprint_speed.py timed the table kernel at 3.3 ms."""
+Each program reads where its block starts, as a word offset from the lowest
+range, and how many words it holds, from a table built on the host, one row
+per block; a block's fingerprint depends only on its own words, so it is the
+same as that of a launch over its range alone. The lowest range goes in as a
+pointer argument: a kernel that turned each block's absolute address from the
+table into a pointer took 21-27 ms inside a sleep for 8 GiB in 64 ranges on an
+H100, where this one took 4.6-5.8 ms and launches per range 5.9-6.9 ms
+(sleep_copy; docs/results/sleep-speed-h100.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton.language as tl
 from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES, LANES, WORD_BYTES, blocks
 
 _STEP = 2048
-_CHUNK_WORDS = 1 << 30  # 8 GiB, a whole number of blocks
+_BLOCK_WORDS = BLOCK_BYTES // WORD_BYTES
 
 
 @triton.jit
@@ -32,17 +33,20 @@ def _mix(x):
     return x
 
 
-@triton.jit(do_not_specialize=["num_words"])
-def fingerprint_kernel(words, out, num_words, BLOCK_WORDS: tl.constexpr, STEP: tl.constexpr):
+@triton.jit
+def fingerprint_kernel(base, table, out, BLOCK_WORDS: tl.constexpr, STEP: tl.constexpr):
+    # base: the lowest range, as int64 words; table: (word offset from base,
+    # words) per block.
     block = tl.program_id(0).to(tl.int64)
-    first = block * BLOCK_WORDS
+    words = base + tl.load(table + 2 * block)
+    num_words = tl.load(table + 2 * block + 1)
     lane0 = tl.zeros([STEP], dtype=tl.uint64)
     lane1 = tl.zeros([STEP], dtype=tl.uint64)
     for step in range(0, BLOCK_WORDS, STEP):
-        index = first + step + tl.arange(0, STEP).to(tl.int64)
-        inside = index < num_words
-        word = tl.load(words + index, mask=inside, other=0).to(tl.uint64, bitcast=True)
-        position = (step + tl.arange(0, STEP)).to(tl.uint64)  # within the block
+        offset = step + tl.arange(0, STEP)  # within the block
+        inside = offset < num_words
+        word = tl.load(words + offset, mask=inside, other=0).to(tl.uint64, bitcast=True)
+        position = offset.to(tl.uint64)
         term0 = _mix(word ^ (position * 0x9E3779B97F4A7C15 + 0x243F6A8885A308D3))
         term1 = _mix(word ^ (position * 0xD1B54A32D192ED03 + 0x13198A2E03707344))
         lane0 += tl.where(inside, term0, 0)
@@ -51,24 +55,64 @@ def fingerprint_kernel(words, out, num_words, BLOCK_WORDS: tl.constexpr, STEP: t
     tl.store(out + 2 * block + 1, tl.sum(lane1, axis=0).to(tl.int64, bitcast=True))
 
 
-def fingerprint(data: torch.Tensor, out: torch.Tensor) -> None:
-    """Writes the fingerprints of `data` (uint8, contiguous, a multiple of 8
-    bytes starting 8-byte aligned) into `out` (int64, [blocks(len), LANES],
-    on the same device), queued on the current stream."""
-    if data.numel() % WORD_BYTES or data.data_ptr() % WORD_BYTES:
-        raise ValueError(
-            f"fingerprints take whole 8-byte words: {data.numel()} bytes at {data.data_ptr():#x}"
-        )
-    count = blocks(data.numel())
+def block_table(ranges: list[torch.Tensor]) -> torch.Tensor:
+    """int64 [blocks, 2], on the host: where each block of `ranges` (in order)
+    starts, and how many words it holds (a whole block but for each range's
+    last). ValueError for a range that is not whole 8-byte words."""
+    starts, lengths = [], []
+    for data in ranges:
+        if data.dtype != torch.uint8 or not data.is_contiguous():
+            raise ValueError(f"fingerprints take contiguous uint8 ranges, not {data.dtype}")
+        if data.numel() % WORD_BYTES or data.data_ptr() % WORD_BYTES:
+            raise ValueError(
+                "fingerprints take whole 8-byte words: "
+                f"{data.numel()} bytes at {data.data_ptr():#x}"
+            )
+        starts.append(data.data_ptr())
+        lengths.append(data.numel() // WORD_BYTES)
+    counts = torch.tensor([blocks(length * WORD_BYTES) for length in lengths], dtype=torch.int64)
+    total = int(counts.sum())
+    owner = torch.repeat_interleave(torch.arange(len(ranges)), counts)
+    index = torch.arange(total, dtype=torch.int64) - (torch.cumsum(counts, 0) - counts)[owner]
+    table = torch.empty((total, 2), dtype=torch.int64)
+    table[:, 0] = torch.tensor(starts, dtype=torch.int64)[owner] + index * BLOCK_BYTES
+    remaining = torch.tensor(lengths, dtype=torch.int64)[owner] - index * _BLOCK_WORDS
+    table[:, 1] = remaining.clamp_(max=_BLOCK_WORDS)
+    return table
+
+
+def launch(
+    ranges: list[torch.Tensor],
+    table: torch.Tensor,
+    out: torch.Tensor,
+    step: int = _STEP,
+    num_warps: int = 8,
+) -> None:
+    """Queues the kernel over `table` (block_table(ranges), on the host) into
+    `out`, on the current stream."""
+    base = min((data for data in ranges if data.numel()), key=lambda data: data.data_ptr())
+    offsets = table.clone()
+    offsets[:, 0] = (table[:, 0] - base.data_ptr()) // WORD_BYTES
+    fingerprint_kernel[(table.shape[0],)](
+        base.view(torch.int64),
+        offsets.to(out.device, non_blocking=False),
+        out,
+        BLOCK_WORDS=_BLOCK_WORDS,
+        STEP=step,
+        num_warps=num_warps,
+    )
+
+
+def fingerprint(ranges: list[torch.Tensor], out: torch.Tensor) -> None:
+    """Writes the fingerprints of the blocks of `ranges` (uint8, contiguous,
+    each a multiple of 8 bytes starting 8-byte aligned, all on `out`'s device)
+    into `out` (int64, [sum of blocks(len), LANES]), range after range,
+    queued on the current stream in one launch."""
+    if any(data.device != out.device for data in ranges):
+        raise ValueError(f"every range must be on {out.device}, as out is")
+    table = block_table(ranges)
+    count = table.shape[0]
     if out.shape != (count, LANES) or out.dtype != torch.int64:
         raise ValueError(f"out must be int64 [{count}, {LANES}], not {out.dtype} {list(out.shape)}")
-    if count == 0:
-        return
-    words = data.view(torch.int64)
-    per_block = BLOCK_BYTES // WORD_BYTES
-    for first in range(0, words.numel(), _CHUNK_WORDS):
-        chunk = words[first : first + _CHUNK_WORDS]
-        rows = out[first // per_block :]
-        fingerprint_kernel[(blocks(chunk.numel() * WORD_BYTES),)](
-            chunk, rows, chunk.numel(), BLOCK_WORDS=per_block, STEP=_STEP, num_warps=8
-        )
+    if count:
+        launch(ranges, table, out)
