@@ -411,10 +411,9 @@ class GraphSleepAllocator:
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
         clock.lap("garbage and torch's cache")
-        early = EarlyDrop(
-            self._driver, [a for a in to_drop if kv_cache_cleared and a.tag == KV_CACHE_TAG]
-        )
-        to_drop = [a for a in to_drop if a not in early.allocations]
+        early_tag = KV_CACHE_TAG if kv_cache_cleared else None
+        early = EarlyDrop(self._driver, [a for a in to_drop if a.tag == early_tag])
+        to_drop = [a for a in to_drop if a.tag != early_tag]
         try:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
