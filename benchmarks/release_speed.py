@@ -25,6 +25,11 @@ each time):
   whether a sleep can release the KV cache while its backup's fingerprints and
   copies run; the row says whether the work was still running when the release
   returned.
+- `thread_beside_launches`: `each` on a thread of its own, while this thread
+  launches a tiny kernel again and again until the release ends: whether a
+  sleep's host work (its launches, copies and other driver calls) can go on
+  while another thread gives back the KV cache, or waits for the driver; the
+  row has the launches' latencies.
 
     python benchmarks/release_speed.py --out release-speed.json
 
@@ -49,7 +54,8 @@ from typing import Any
 from vllm_graph_sleep.units import GiB
 
 BUSY_WAYS = {"each_beside_kernel": "kernel", "each_beside_copy": "copy"}
-WAYS = ("each", "unmap_all_first", "one_unmap", "threads4", *BUSY_WAYS)
+THREADED_WAY = "thread_beside_launches"
+WAYS = ("each", "unmap_all_first", "one_unmap", "threads4", *BUSY_WAYS, THREADED_WAY)
 BUSY_KERNEL_CYCLES = 200_000_000  # torch.cuda._sleep: about 0.1 s at 2 GHz
 BUSY_COPY_BYTES = 4 * 1024**3
 THREADS = 4
@@ -165,7 +171,7 @@ class Driver:
 def release(driver: Driver, way: str, base: int, chunk: int, handles: list[int]) -> None:
     """Gives back the chunks mapped at `base` one after another, `way`."""
     addresses = [base + index * chunk for index in range(len(handles))]
-    if way in ("each", *BUSY_WAYS):
+    if way in ("each", *BUSY_WAYS, THREADED_WAY):
         for address, handle in zip(addresses, handles, strict=True):
             driver.unmap(address, chunk)
             driver.release(handle)
@@ -229,6 +235,45 @@ class BusyWork:
         return running
 
 
+def release_beside_launches(
+    driver: Driver, base: int, chunk: int, handles: list[int]
+) -> dict[str, float]:
+    """`each` on another thread while this one launches a one-element add until
+    it ends; the launches' count and latencies (ms)."""
+    import torch
+
+    counter = torch.zeros(1, device="cuda")
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def work() -> None:
+        try:
+            driver.make_current()
+            started.set()
+            release(driver, "each", base, chunk, handles)
+        except BaseException as error:  # reported by the caller's thread
+            errors.append(error)
+            started.set()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    started.wait()
+    latencies: list[float] = []
+    while thread.is_alive():
+        start = time.perf_counter()
+        counter.add_(1)
+        latencies.append(1000 * (time.perf_counter() - start))
+    thread.join()
+    if errors:
+        raise errors[0]
+    torch.cuda.synchronize()
+    return {
+        "launches": len(latencies),
+        "launch_ms_median": round(statistics.median(latencies), 4) if latencies else None,
+        "launch_ms_max": round(max(latencies), 3) if latencies else None,
+    }
+
+
 def measure(
     driver: Driver,
     total: int,
@@ -245,6 +290,7 @@ def measure(
     seconds: list[float] = []
     busy = BusyWork(BUSY_WAYS.get(way))
     still_running: list[bool | None] = []
+    launches: list[dict[str, float]] = []
     try:
         for _ in range(repeats):
             handles = [driver.map_written(base + i * chunk, chunk) for i in range(chunks)]
@@ -253,7 +299,10 @@ def measure(
             busy.queue()
             start = time.perf_counter()
             try:
-                release(driver, way, base, chunk, handles)
+                if way == THREADED_WAY:
+                    launches.append(release_beside_launches(driver, base, chunk, handles))
+                else:
+                    release(driver, way, base, chunk, handles)
             except RuntimeError as error:
                 # Give back what the failed way left, the slow and sure way.
                 for index, handle in enumerate(handles):
@@ -270,7 +319,12 @@ def measure(
             still_running.append(busy.still_running())
     finally:
         driver.free_range(base, chunk * chunks)
-    return {"seconds": statistics.median(seconds), "all_s": seconds, "busy": still_running}
+    return {
+        "seconds": statistics.median(seconds),
+        "all_s": seconds,
+        "busy": still_running,
+        "launches": launches,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"way": way, "wait_s": wait_s, "ms": None, "error": measured.get("error")}
             if way in BUSY_WAYS:
                 row["gpu_work_still_running_after"] = measured.get("busy")
+            if way == THREADED_WAY:
+                row["main_thread_launches"] = measured.get("launches")
             if "seconds" in measured:
                 row["ms"] = round(1000 * measured["seconds"], 2)
             results.append(row)
@@ -320,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"wait {wait_s:4.1f} s  {way:16s} "
                 + (f"{row['ms']:8.2f} ms" if row["ms"] is not None else f"failed: {row['error']}")
                 + (f"  GPU work running after: {measured['busy']}" if way in BUSY_WAYS else "")
+                + (f"  launches meanwhile: {measured['launches']}" if way == THREADED_WAY else "")
             )
     report = {
         "benchmark": "releasing mapped device memory (issue 38)",

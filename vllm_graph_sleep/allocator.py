@@ -384,8 +384,8 @@ class GraphSleepAllocator:
         self, offload_tags: tuple[str, ...] | str | None = None, *, kv_cache_cleared: bool = False
     ) -> None:
         """Backs up `offload_tags` (default: "default") to host, drops the rest;
-        with `kv_cache_cleared`, a dropped KV cache is released while the device
-        takes the backup's fingerprints (release.EarlyDrop).
+        with `kv_cache_cleared`, a dropped KV cache is released on a thread of
+        its own while this one backs up and releases the rest (release.EarlyDrop).
 
         Transactional up to the first drop: a failure while backing up, or
         while releasing memory that has a backup, maps back what was released
@@ -411,16 +411,16 @@ class GraphSleepAllocator:
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
         clock.lap("garbage and torch's cache")
+        # After torch's cache went: it may have freed (and unmapped) a segment.
         early_tag = KV_CACHE_TAG if kv_cache_cleared else None
         early = EarlyDrop(self._driver, [a for a in to_drop if a.tag == early_tag])
         to_drop = [a for a in to_drop if a.tag != early_tag]
+        early.start()
         try:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
-            self._last_backup = self._backups.back_up(
-                to_back_up, live, clock, meanwhile=early.meanwhile
-            )
+            self._last_backup = self._backups.back_up(to_back_up, live, clock)
         except Exception as error:
             # Copies already queued must not outlive the call: a later sleep that
             # drops these allocations, or shutdown, lets their buffers go (and a
@@ -444,14 +444,14 @@ class GraphSleepAllocator:
                 f"{early.undo(self._backups)}; the engine is awake, but {RESUME_HINT}."
             ) from error
         late = drop(self._driver, released, to_drop)
-        dropped = early.dropped
-        dropped.add(late)
-        dropped.log_failures()
         clock.lap(f"release ({len(released) + len(to_drop) - len(late.failures)} allocations)")
         stack = self._stack.lower({allocation.device for allocation in self.table.live()})
         clock.lap("stack limit")
         self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
         clock.lap("host buffers given back")
+        dropped = early.finish(clock)
+        dropped.add(late)
+        dropped.log_failures()
         logger.info(
             "graph-sleep sleep: backed up %s%s%s; dropped %s; %s; %s; %s",
             describe(backed_up_bytes(released)),

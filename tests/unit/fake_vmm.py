@@ -17,6 +17,7 @@ driver calls can be injected (`fail`), one call at a time.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from contextlib import contextmanager
 
@@ -97,6 +98,8 @@ class FakeVmmDriver:
         self.cached: set[int] = set()  # segments whose tensor died, still in their pool
         self._freeable: list[list[int]] = []  # segment lists of dropped pools
         self.failures: dict[str, int] = {}  # call -> how many calls succeed before it fails
+        self.failing_addresses: dict[str, int] = {}  # call -> the address whose next call fails
+        self.unmap_threads: dict[int, str] = {}  # address -> the thread that last unmapped it
         self.stack_limits: dict[int, int] = {}  # device -> per-thread stack bytes
         self.collections: list[bool] = []  # release_cached_memory calls: collected garbage?
         # torch's graph-safe RNG state: (segment, stream), while a live graph holds it
@@ -106,11 +109,19 @@ class FakeVmmDriver:
         # cached after it dies until release_cached_memory: (holder, bytes).
         self.torch_held: list[tuple[weakref.ref, int]] = []
 
-    def fail(self, call: str, after: int = 0) -> None:
-        """The (after+1)-th next call of `call` raises like the driver would."""
-        self.failures[call] = after
+    def fail(self, call: str, after: int = 0, address: int | None = None) -> None:
+        """The (after+1)-th next call of `call` raises like the driver would;
+        with `address`, the next unmap_and_release of that address (whatever
+        thread makes it: a sleep releases a cleared KV cache on its own)."""
+        if address is None:
+            self.failures[call] = after
+        else:
+            self.failing_addresses[call] = address
 
-    def _maybe_fail(self, call: str, message: str) -> None:
+    def _maybe_fail(self, call: str, message: str, address: int | None = None) -> None:
+        if address is not None and self.failing_addresses.get(call) == address:
+            del self.failing_addresses[call]
+            raise RuntimeError(message)
         if call not in self.failures:
             return
         if self.failures[call] == 0:
@@ -133,10 +144,13 @@ class FakeVmmDriver:
         self.map_calls.append(address)
 
     def unmap_and_release(self, device: int, size: int, address: int, handle: int) -> None:
-        self._maybe_fail("unmap_and_release", "cuMemUnmap failed: unspecified launch failure")
+        self._maybe_fail(
+            "unmap_and_release", "cuMemUnmap failed: unspecified launch failure", address
+        )
         if address not in self.memory:
             raise RuntimeError("cuMemUnmap failed: invalid argument (range not mapped)")
         del self.memory[address]
+        self.unmap_threads[address] = threading.current_thread().name
         self.unmap_calls.append(address)
         self.timeline.append(("unmapped", address))
 

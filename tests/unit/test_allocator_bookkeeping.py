@@ -3,6 +3,7 @@ sleep/wake, rollback of a failing wake, ROCm zeroing."""
 
 import logging
 import re
+import threading
 
 import pytest
 
@@ -521,35 +522,51 @@ def test_a_sleep_that_fails_before_dropping_anything_leaves_the_engine_awake(set
     assert bool((driver.read(addresses["weights"]) == 1).all())
 
 
-def _index(timeline, kind, value=None):
-    return next(
-        i for i, (k, v) in enumerate(timeline) if k == kind and (value is None or v == value)
-    )
+class _KvReleaseWaitsForTheWeights(FakeVmmDriver):
+    """Gives back the KV cache only once the weights have gone: a sleep that
+    released the KV cache before backing up and releasing the rest on the
+    same thread would wait here until the timeout, and the release fail."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_cache = self.weights = None
+        self.weights_gone = threading.Event()
+
+    def unmap_and_release(self, device, size, address, handle):
+        if address == self.kv_cache and not self.weights_gone.wait(timeout=10):
+            raise RuntimeError("cuMemUnmap failed: the weights never went (test timeout)")
+        super().unmap_and_release(device, size, address, handle)
+        if address == self.weights:
+            self.weights_gone.set()
 
 
 @pytest.mark.parametrize("keep_unchanged", [True, False])
-def test_a_cleared_kv_cache_is_released_while_the_backup_runs(caplog, keep_unchanged):
-    driver, manager, addresses = _three_tags(keep_unchanged_backups=keep_unchanged)
+def test_a_cleared_kv_cache_is_released_on_a_thread_while_the_rest_is_backed_up(
+    caplog, keep_unchanged
+):
+    driver = _KvReleaseWaitsForTheWeights()
+    manager = GraphSleepAllocator(driver, keep_unchanged_backups=keep_unchanged)
+    driver.weights = allocate(driver, manager, "weights", 4 * MIB, value=1)
+    driver.kv_cache = allocate(driver, manager, "kv_cache", 8 * MIB, value=2)
+    graph = allocate(driver, manager, "cudagraph", 2 * MIB, value=3)
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         manager.sleep(offload_tags=("weights", "cudagraph"), kv_cache_cleared=True)
-    timeline = driver.timeline
-    kv = _index(timeline, "unmapped", addresses["kv_cache"])
-    copies_done = max(i for i, (kind, _) in enumerate(timeline) if kind == "synchronized")
-    if keep_unchanged:
-        # After the fingerprints are queued, before the host waits for them
-        # and for the copies.
-        assert max(i for i, (k, _) in enumerate(timeline) if k == "fingerprinted") < kv
-        assert kv < copies_done
-    else:
-        assert copies_done < kv
-    # The first release, before any backed-up allocation's.
-    assert kv == _index(timeline, "unmapped")
-    assert ("unmapped", addresses["weights"]) in timeline[kv + 1 :]
-    assert "kv_cache released meanwhile (1 allocations)" in caplog.text
+    assert "could not release" not in caplog.text
+    assert driver.unmap_threads == {
+        driver.weights: "MainThread",
+        graph: "MainThread",
+        driver.kv_cache: "graph-sleep-kv-release",
+    }
+    # The weights went first (the gate), and the sleep waited for the KV cache.
+    assert driver.timeline.index(("unmapped", driver.kv_cache)) > driver.timeline.index(
+        ("unmapped", driver.weights)
+    )
+    assert manager.mapped_bytes() == 0
+    assert "waiting for the kv_cache's release on its thread (1 allocations" in caplog.text
     assert "dropped kv_cache 8.00 MiB" in caplog.text
     manager.wake_up()
-    for tag, value in (("weights", 1), ("cudagraph", 3)):
-        assert bool((driver.read(addresses[tag]) == value).all()), tag
+    for address, value in ((driver.weights, 1), (graph, 3)):
+        assert bool((driver.read(address) == value).all())
 
 
 @pytest.mark.parametrize("call", ["synchronize", "unmap_and_release"])
@@ -558,9 +575,12 @@ def test_a_failed_sleep_brings_a_cleared_kv_cache_back_empty_and_loses_nothing_e
 
     driver, manager, addresses = setup
     awake = _state(manager)
-    # Both after the KV cache went: waiting for the copies (the backup fails),
-    # releasing the first backed-up allocation (the release fails).
-    driver.fail(call, after=1)
+    # Waiting for the copies (the backup fails), or releasing the weights (the
+    # release fails), while or after the KV cache goes on its thread.
+    if call == "synchronize":
+        driver.fail(call, after=1)
+    else:
+        driver.fail(call, address=addresses["weights"])
     with pytest.raises(SleepError, match="came back without its contents") as raised:
         manager.sleep(offload_tags=("weights", "cudagraph"), kv_cache_cleared=True)
     assert "the engine is awake" in str(raised.value)
@@ -573,7 +593,21 @@ def test_a_failed_sleep_brings_a_cleared_kv_cache_back_empty_and_loses_nothing_e
     assert bool((driver.read(addresses["weights"]) == 1).all())
 
 
-def test_the_backend_releases_the_kv_cache_while_the_backup_runs(install_allocator):
+def test_a_cleared_kv_cache_the_driver_keeps_stays_mapped_and_the_sleep_finishes(setup, caplog):
+    driver, manager, addresses = setup
+    driver.fail("unmap_and_release", address=addresses["kv_cache"])
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights", "cudagraph"), kv_cache_cleared=True)
+    assert "could not release kv_cache 8.00 MiB" in caplog.text
+    assert "waiting for the kv_cache's release on its thread (0 allocations" in caplog.text
+    assert manager.mapped_bytes() == 8 * MIB
+    manager.wake_up()
+    assert driver.mapped_bytes() == 14 * MIB
+    for tag, value in (("weights", 1), ("kv_cache", 2), ("cudagraph", 3)):
+        assert bool((driver.read(addresses[tag]) == value).all()), tag
+
+
+def test_the_backend_releases_the_kv_cache_on_a_thread_of_its_own(install_allocator):
     from vllm_graph_sleep.backend import GraphSleepBackend
 
     driver, manager = make()
@@ -581,9 +615,7 @@ def test_the_backend_releases_the_kv_cache_while_the_backup_runs(install_allocat
     weights = allocate(driver, manager, "weights", value=1)
     kv = allocate(driver, manager, "kv_cache", value=2)
     GraphSleepBackend().suspend(level=1)
-    timeline = driver.timeline
-    fingerprinted = _index(timeline, "fingerprinted")
-    assert fingerprinted < _index(timeline, "unmapped", kv) < _index(timeline, "unmapped", weights)
+    assert driver.unmap_threads == {weights: "MainThread", kv: "graph-sleep-kv-release"}
 
 
 def test_a_drop_that_fails_finishes_the_sleep_and_wake_restores_everything(setup, caplog):

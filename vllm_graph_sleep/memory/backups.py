@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -153,12 +153,11 @@ def _fingerprints(
     driver: DeviceDriver,
     allocations: list[Allocation],
     pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
-    meanwhile: _Once,
 ) -> dict[int, torch.Tensor]:
     """Address -> host int64 [blocks, lanes] fingerprints of each
     allocation's backed-up bytes as the device holds them now, block by
-    block over its pairs: all queued on the devices, then `meanwhile`
-    runs, then they are read in one copy per device."""
+    block over its pairs: all queued on the devices, then read in one copy
+    per device."""
     by_device: dict[torch.device, list[Allocation]] = {}
     for allocation in allocations:
         pairs = pairs_of[allocation.address]
@@ -171,8 +170,6 @@ def _fingerprints(
         out = torch.empty((count, blocks_of.LANES), dtype=torch.int64, device=device)
         driver.fingerprint(ranges, out)
         queued.append((on_device, out))
-    if queued:
-        meanwhile("fingerprints queued")
     result: dict[int, torch.Tensor] = {}
     for on_device, out in queued:
         host = out.cpu()
@@ -182,23 +179,6 @@ def _fingerprints(
         result.update(zip((a.address for a in on_device), host.split(per_allocation), strict=True))
     queued.clear()  # the device copies, before the caller frees torch's cache
     return result
-
-
-class _Once:
-    """A sleep's `meanwhile` work, run at most once, with a lap on `clock`."""
-
-    def __init__(self, work: Callable[[], str] | None, clock: PhaseClock) -> None:
-        self._work = work
-        self.clock = clock
-
-    def __call__(self, queued: str | None = None) -> None:
-        """Runs the work if it has not run; `queued`: a lap to close first."""
-        work, self._work = self._work, None
-        if work is None:
-            return
-        if queued is not None:
-            self.clock.lap(queued)
-        self.clock.lap(work())
 
 
 class Backups:
@@ -280,13 +260,9 @@ class Backups:
         allocations: list[Allocation],
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock | None = None,
-        meanwhile: Callable[[], str] | None = None,
     ) -> BackupCount:
         """Copies `allocations` to pinned host buffers and waits for the copies;
-        `live`: the ranges to copy of graph-pool segments (live_ranges).
-        `meanwhile`, if given, runs once, while the device takes the
-        fingerprints (or, without any, once the copies are done), and names its
-        lap on `clock`. With
+        `live`: the ranges to copy of graph-pool segments (live_ranges). With
         keep_unchanged, the blocks whose fingerprint equals that of the backup
         an allocation's host buffer still holds are not copied again; of a
         coded backup, the pieces with a changed block are coded again (with a
@@ -301,11 +277,8 @@ class Backups:
         replaced one), so dropping `allocation.host` is all a replacement needs.
         On failure no host buffer of `allocations` is trusted any more: a copy
         may have written part of it."""
-        once = _Once(meanwhile, clock or PhaseClock())
         try:
-            count = self._back_up(allocations, live, once.clock, once)
-            once()  # nothing was fingerprinted
-            return count
+            return self._back_up(allocations, live, clock or PhaseClock())
         except BaseException:
             for allocation in allocations:
                 allocation.fingerprints = None
@@ -316,7 +289,6 @@ class Backups:
         allocations: list[Allocation],
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock,
-        meanwhile: _Once,
     ) -> BackupCount:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
@@ -338,11 +310,7 @@ class Backups:
                 allocation.host = self._driver.host_buffer(needed)
             pairs_of[allocation.address] = self.pairs(allocation)
         clock.lap("host buffers")
-        now = (
-            _fingerprints(self._driver, allocations, pairs_of, meanwhile)
-            if self.keep_unchanged
-            else {}
-        )
+        now = _fingerprints(self._driver, allocations, pairs_of) if self.keep_unchanged else {}
         clock.lap("fingerprints")
         copied: dict[int, int] = {}
         # Per device: coded backups to code again whole, and pieces of others.
