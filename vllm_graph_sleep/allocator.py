@@ -385,7 +385,8 @@ class GraphSleepAllocator:
     ) -> None:
         """Backs up `offload_tags` (default: "default") to host, drops the rest;
         with `kv_cache_cleared`, a dropped KV cache is released on a thread of
-        its own while this one backs up and releases the rest (release.EarlyDrop).
+        its own, from the moment the backup's fingerprints are queued, while
+        this one backs up and releases the rest (release.EarlyDrop).
 
         Transactional up to the first drop: a failure while backing up, or
         while releasing memory that has a backup, maps back what was released
@@ -411,16 +412,14 @@ class GraphSleepAllocator:
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
         clock.lap("garbage and torch's cache")
-        # After torch's cache went: it may have freed (and unmapped) a segment.
         early_tag = KV_CACHE_TAG if kv_cache_cleared else None
         early = EarlyDrop(self._driver, [a for a in to_drop if a.tag == early_tag])
         to_drop = [a for a in to_drop if a.tag != early_tag]
-        early.start()
         try:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
-            self._last_backup = self._backups.back_up(to_back_up, live, clock)
+            self._last_backup = self._backups.back_up(to_back_up, live, clock, early.start)
         except Exception as error:
             # Copies already queued must not outlive the call: a later sleep that
             # drops these allocations, or shutdown, lets their buffers go (and a

@@ -406,9 +406,10 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     assert re.search(
         rf"\d\.\d{{3}} s \(freed allocations' host buffers {ms}, graph pool claimed {ms}, "
         rf"cuBLAS workspaces {ms}, garbage and torch's cache {ms}, backup of 2 allocations: "
-        rf"waiting for the device {ms}, host buffers {ms}, fingerprints {ms}, plan and raw "
-        rf"copies queued {ms}, copies {ms}, backup's scratch freed {ms}, release "
-        rf"\(3 allocations\) {ms}, stack limit {ms}, host buffers given back {ms}\)$",
+        rf"waiting for the device {ms}, host buffers {ms}, fingerprints queued {ms}, "
+        rf"fingerprints {ms}, plan and raw copies queued {ms}, copies {ms}, backup's scratch "
+        rf"freed {ms}, release \(3 allocations\) {ms}, stack limit {ms}, "
+        rf"host buffers given back {ms}\)$",
         lines[0],
     ), lines[0]
     assert re.search(
@@ -531,8 +532,11 @@ class _KvReleaseWaitsForTheWeights(FakeVmmDriver):
         super().__init__()
         self.kv_cache = self.weights = None
         self.weights_gone = threading.Event()
+        self.before_kv_release = None  # the timeline when the KV cache's release began
 
     def unmap_and_release(self, device, size, address, handle):
+        if address == self.kv_cache:
+            self.before_kv_release = list(self.timeline)
         if address == self.kv_cache and not self.weights_gone.wait(timeout=10):
             raise RuntimeError("cuMemUnmap failed: the weights never went (test timeout)")
         super().unmap_and_release(device, size, address, handle)
@@ -558,9 +562,12 @@ def test_a_cleared_kv_cache_is_released_on_a_thread_while_the_rest_is_backed_up(
         driver.kv_cache: "graph-sleep-kv-release",
     }
     # The weights went first (the gate), and the sleep waited for the KV cache.
-    assert driver.timeline.index(("unmapped", driver.kv_cache)) > driver.timeline.index(
-        ("unmapped", driver.weights)
-    )
+    kv_gone = driver.timeline.index(("unmapped", driver.kv_cache))
+    assert kv_gone > driver.timeline.index(("unmapped", driver.weights))
+    if keep_unchanged:
+        # Started once the fingerprints were queued: the driver would make
+        # the queueing's allocation and copy wait for the release.
+        assert ("fingerprinted", 6 * MIB) in driver.before_kv_release
     assert manager.mapped_bytes() == 0
     assert "waiting for the kv_cache's release on its thread (1 allocations" in caplog.text
     assert "dropped kv_cache 8.00 MiB" in caplog.text

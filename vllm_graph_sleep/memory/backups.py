@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -149,27 +149,36 @@ def _changed_spans(
     return spans
 
 
-def _fingerprints(
+_Queued = list[tuple[list[Allocation], torch.Tensor]]
+
+
+def _queue_fingerprints(
     driver: DeviceDriver,
     allocations: list[Allocation],
     pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
-) -> dict[int, torch.Tensor]:
-    """Address -> host int64 [blocks, lanes] fingerprints of each
-    allocation's backed-up bytes as the device holds them now, block by
-    block over its pairs: all queued on the devices, then read in one copy
-    per device."""
+) -> _Queued:
+    """Queues on the devices the fingerprints of each allocation's
+    backed-up bytes as the device holds them, block by block over its pairs;
+    `_read_fingerprints` waits for them."""
     by_device: dict[torch.device, list[Allocation]] = {}
     for allocation in allocations:
         pairs = pairs_of[allocation.address]
         if pairs:
             by_device.setdefault(pairs[0][0].device, []).append(allocation)
-    queued: list[tuple[list[Allocation], torch.Tensor]] = []
+    queued: _Queued = []
     for device, on_device in by_device.items():
         ranges = [device_range for a in on_device for device_range, _ in pairs_of[a.address]]
         count = sum(blocks_of.blocks(device_range.numel()) for device_range in ranges)
         out = torch.empty((count, blocks_of.LANES), dtype=torch.int64, device=device)
         driver.fingerprint(ranges, out)
         queued.append((on_device, out))
+    return queued
+
+
+def _read_fingerprints(
+    queued: _Queued, pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
+) -> dict[int, torch.Tensor]:
+    """Address -> host int64 [blocks, lanes] fingerprints, read in one copy per device."""
     result: dict[int, torch.Tensor] = {}
     for on_device, out in queued:
         host = out.cpu()
@@ -260,9 +269,14 @@ class Backups:
         allocations: list[Allocation],
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> BackupCount:
         """Copies `allocations` to pinned host buffers and waits for the copies;
-        `live`: the ranges to copy of graph-pool segments (live_ranges). With
+        `live`: the ranges to copy of graph-pool segments (live_ranges).
+        `beside` is called once the fingerprints are queued (or the host
+        buffers are ready, where there are none), to start work of its own
+        beside the rest: its driver calls would make those of the queueing
+        wait (the KV cache's release, release.EarlyDrop). With
         keep_unchanged, the blocks whose fingerprint equals that of the backup
         an allocation's host buffer still holds are not copied again; of a
         coded backup, the pieces with a changed block are coded again (with a
@@ -278,7 +292,7 @@ class Backups:
         On failure no host buffer of `allocations` is trusted any more: a copy
         may have written part of it."""
         try:
-            return self._back_up(allocations, live, clock or PhaseClock())
+            return self._back_up(allocations, live, clock or PhaseClock(), beside)
         except BaseException:
             for allocation in allocations:
                 allocation.fingerprints = None
@@ -289,6 +303,7 @@ class Backups:
         allocations: list[Allocation],
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock,
+        beside: Callable[[], None] | None,
     ) -> BackupCount:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
@@ -310,7 +325,13 @@ class Backups:
                 allocation.host = self._driver.host_buffer(needed)
             pairs_of[allocation.address] = self.pairs(allocation)
         clock.lap("host buffers")
-        now = _fingerprints(self._driver, allocations, pairs_of) if self.keep_unchanged else {}
+        queued = (
+            _queue_fingerprints(self._driver, allocations, pairs_of) if self.keep_unchanged else []
+        )
+        clock.lap("fingerprints queued")
+        if beside is not None:
+            beside()
+        now = _read_fingerprints(queued, pairs_of)
         clock.lap("fingerprints")
         copied: dict[int, int] = {}
         # Per device: coded backups to code again whole, and pieces of others.

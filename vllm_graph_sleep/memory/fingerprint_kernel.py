@@ -95,12 +95,21 @@ def launch(
     offsets[:, 0] = (table[:, 0] - base.data_ptr()) // WORD_BYTES
     fingerprint_kernel[(table.shape[0],)](
         base.view(torch.int64),
-        offsets.to(out.device, non_blocking=False),
+        _to_device(offsets, out.device),
         out,
         BLOCK_WORDS=_BLOCK_WORDS,
         STEP=step,
         num_warps=num_warps,
     )
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """From pinned memory, without waiting, on a GPU: a sleep releases the KV
+    cache on another thread meanwhile, and the driver makes a synchronous copy
+    wait for that (release.EarlyDrop). As it is for Triton's interpreter."""
+    if device.type == "cpu":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def fingerprint(ranges: list[torch.Tensor], out: torch.Tensor) -> None:
