@@ -442,13 +442,16 @@ class GraphSleepAllocator:
                 f"allocations: {error}. They were mapped back from their host copies"
                 f"{early.undo(self._backups)}; the engine is awake, but {RESUME_HINT}."
             ) from error
-        late = drop(self._driver, released, to_drop)
-        clock.lap(f"release ({len(released) + len(to_drop) - len(late.failures)} allocations)")
-        stack = self._stack.lower({allocation.device for allocation in self.table.live()})
-        clock.lap("stack limit")
-        self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
-        clock.lap("host buffers given back")
-        dropped = early.finish(clock)
+        try:
+            late = drop(self._driver, released, to_drop)
+            clock.lap(f"release ({len(released) + len(to_drop) - len(late.failures)} allocations)")
+            stack = self._stack.lower({allocation.device for allocation in self.table.live()})
+            clock.lap("stack limit")
+            self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
+            clock.lap("host buffers given back")
+        finally:
+            # Whatever this thread raised, the KV cache's records are its own again.
+            dropped = early.finish(clock)
         dropped.add(late)
         dropped.log_failures()
         logger.info(

@@ -4,6 +4,7 @@ sleep/wake, rollback of a failing wake, ROCm zeroing."""
 import logging
 import re
 import threading
+import time
 
 import pytest
 
@@ -612,6 +613,39 @@ def test_a_cleared_kv_cache_the_driver_keeps_stays_mapped_and_the_sleep_finishes
     assert driver.mapped_bytes() == 14 * MIB
     for tag, value in (("weights", 1), ("kv_cache", 2), ("cudagraph", 3)):
         assert bool((driver.read(addresses[tag]) == value).all()), tag
+
+
+class _SlowKvReleaseAndFailingLastCall(FakeVmmDriver):
+    """The KV cache takes 0.2 s to give back, and the sleep's last driver
+    call (giving back the replaced host buffers) raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_cache = None
+        self.host_buffer_releases = 0
+
+    def unmap_and_release(self, device, size, address, handle):
+        if address == self.kv_cache:
+            time.sleep(0.2)
+        super().unmap_and_release(device, size, address, handle)
+
+    def release_dropped_host_buffers(self):
+        self.host_buffer_releases += 1
+        if self.host_buffer_releases == 2:
+            raise RuntimeError("cudaHostUnregister failed: invalid argument")
+
+
+def test_a_sleep_that_raises_late_still_waits_for_the_kv_cache_thread():
+    driver = _SlowKvReleaseAndFailingLastCall()
+    manager = GraphSleepAllocator(driver)
+    allocate(driver, manager, "weights", 4 * MIB, value=1)
+    driver.kv_cache = allocate(driver, manager, "kv_cache", 8 * MIB, value=2)
+    with pytest.raises(RuntimeError, match="cudaHostUnregister failed"):
+        manager.sleep(offload_tags=("weights",), kv_cache_cleared=True)
+    # The thread was joined before the error left: its records are settled.
+    assert "graph-sleep-kv-release" not in {thread.name for thread in threading.enumerate()}
+    assert not manager.allocations[driver.kv_cache].mapped
+    assert driver.kv_cache not in driver.memory
 
 
 def test_the_backend_releases_the_kv_cache_on_a_thread_of_its_own(install_allocator):
