@@ -118,15 +118,14 @@ def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocat
 class EarlyDrop:
     """The KV cache a sleep releases on a thread of its own, when the caller
     has given up its contents (allocator.sleep's kv_cache_cleared), while the
-    sleep's thread backs up and releases the rest: the driver takes 8-17 ms
-    for the default model's 23 GiB, most of a level-1 sleep that copies
-    little, and the other work overlaps it instead of following it. It
-    starts once the backup's fingerprints are queued: the driver serves one
-    thread's memory calls at a time, and the queueing's allocation and table
-    copy took 6-8 ms beside the release against 1-4 ms before it, where
-    kernel launches do not wait (docs/results/sleep-speed-h100.md). The
-    thread owns these allocations' records from `start` to `finish`; after a
-    failed sleep `undo` maps the cache back, filled like after a wake."""
+    sleep's thread backs up and releases the rest: that release is most of a
+    level-1 sleep that copies little, and the rest now overlaps it instead of
+    following it. It starts once the backup's fingerprints are queued: the
+    driver makes another thread's allocations and synchronous copies wait
+    for a release, though not its kernel launches
+    (docs/results/sleep-speed-h100.md). The thread owns these allocations'
+    records from `start` to `finish`; after a failed sleep `undo` maps the
+    cache back, filled like after a wake."""
 
     def __init__(self, driver: DeviceDriver, allocations: list[Allocation]) -> None:
         self._driver = driver
