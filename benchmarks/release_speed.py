@@ -171,7 +171,7 @@ class Driver:
 def release(driver: Driver, way: str, base: int, chunk: int, handles: list[int]) -> None:
     """Gives back the chunks mapped at `base` one after another, `way`."""
     addresses = [base + index * chunk for index in range(len(handles))]
-    if way in ("each", *BUSY_WAYS, THREADED_WAY):
+    if way in ("each", *BUSY_WAYS):
         for address, handle in zip(addresses, handles, strict=True):
             driver.unmap(address, chunk)
             driver.release(handle)

@@ -22,10 +22,10 @@ Rules it keeps:
   puts back what it released and raises `SleepError`: the allocator stays
   awake, nothing lost (but the KV cache's contents, when the caller said it
   cleared them: the backend does, since vLLM resets that cache before every
-  sleep; the cache is then released while the device takes the backup, and
-  mapped back empty). Once it releases memory without a backup it cannot go
-  back, so it finishes: what it could not release stays mapped (wake skips
-  it), and it logs the failure;
+  sleep; the cache is then released on a thread of its own while the backup
+  runs, and mapped back empty). Once it releases memory without a backup it
+  cannot go back, so it finishes: what it could not release stays mapped (wake
+  skips it), and it logs the failure;
 - a pool is dropped when its `use_memory_pool` context exits, so torch hands
   back fully free segments (dead memory after online quantization or weight
   repacking is not kept, nor backed up at sleep); sleep first releases what

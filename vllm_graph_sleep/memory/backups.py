@@ -149,7 +149,9 @@ def _changed_spans(
     return spans
 
 
-_Queued = list[tuple[list[Allocation], torch.Tensor]]
+# Per device: the allocations, their fingerprints' rows on the device, and
+# how many of those rows each allocation has.
+_Queued = list[tuple[list[Allocation], torch.Tensor, list[int]]]
 
 
 def _queue_fingerprints(
@@ -168,23 +170,20 @@ def _queue_fingerprints(
     queued: _Queued = []
     for device, on_device in by_device.items():
         ranges = [device_range for a in on_device for device_range, _ in pairs_of[a.address]]
-        count = sum(blocks_of.blocks(device_range.numel()) for device_range in ranges)
-        out = torch.empty((count, blocks_of.LANES), dtype=torch.int64, device=device)
-        driver.fingerprint(ranges, out)
-        queued.append((on_device, out))
-    return queued
-
-
-def _read_fingerprints(
-    queued: _Queued, pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
-) -> dict[int, torch.Tensor]:
-    """Address -> host int64 [blocks, lanes] fingerprints, read in one copy per device."""
-    result: dict[int, torch.Tensor] = {}
-    for on_device, out in queued:
-        host = out.cpu()
         per_allocation = [
             sum(blocks_of.blocks(d.numel()) for d, _ in pairs_of[a.address]) for a in on_device
         ]
+        out = torch.empty((sum(per_allocation), blocks_of.LANES), dtype=torch.int64, device=device)
+        driver.fingerprint(ranges, out)
+        queued.append((on_device, out, per_allocation))
+    return queued
+
+
+def _read_fingerprints(queued: _Queued) -> dict[int, torch.Tensor]:
+    """Address -> host int64 [blocks, lanes] fingerprints, read in one copy per device."""
+    result: dict[int, torch.Tensor] = {}
+    for on_device, out, per_allocation in queued:
+        host = out.cpu()
         result.update(zip((a.address for a in on_device), host.split(per_allocation), strict=True))
     queued.clear()  # the device copies, before the caller frees torch's cache
     return result
@@ -331,7 +330,7 @@ class Backups:
         clock.lap("fingerprints queued")
         if beside is not None:
             beside()
-        now = _read_fingerprints(queued, pairs_of)
+        now = _read_fingerprints(queued)
         clock.lap("fingerprints")
         copied: dict[int, int] = {}
         # Per device: coded backups to code again whole, and pieces of others.
