@@ -247,20 +247,16 @@ bool withdraw_allocation(uint64_t address, ReleaseOrder* order) {
   return true;
 }
 
-// Where a new allocation's range starts: at a multiple of the largest power of
-// two that fits in it, up to 1 GiB, and at least the granularity. The driver
-// gives back a range aligned that way faster, and, unlike one aligned only to
-// the granularity, no slower while the GPU copies: on an H100, 24 GiB in 3 GiB
-// allocations released in 8.8 ms against 9.8, and in 9.0 against 18.3 beside a
-// device-to-host copy (issue 38; docs/results/sleep-speed-h100.md). A sleep
-// releases the KV cache while its backup copies. Only address space is spent.
+// Where a new allocation's range starts: an allocation of 1 GiB or more (a KV
+// cache's, mostly) at a multiple of 1 GiB, any other at the granularity. The
+// driver released large allocations about 10% faster so aligned (on an H100, 24
+// GiB in 3 GiB allocations: 9.8 -> 8.8 ms; beside a device-to-host copy 10.1 ->
+// 9.0 ms), and 64-256 MiB ones aligned to their size no faster (issue 38;
+// docs/results/sleep-speed-h100.md). Only address space is spent.
 size_t range_alignment(size_t size, size_t granularity) {
-  constexpr size_t kMaxAlignment = size_t{1} << 30;
-  size_t alignment = granularity;
-  while (alignment < kMaxAlignment && alignment * 2 <= size) {
-    alignment *= 2;
-  }
-  return alignment;
+  constexpr size_t kLargeAllocation = size_t{1} << 30;
+  return size >= kLargeAllocation && granularity < kLargeAllocation ? kLargeAllocation
+                                                                    : granularity;
 }
 
 // Reserves, maps and announces a new allocation; false with the error recorded.

@@ -207,21 +207,17 @@ def test_offloaded_tags_come_back_bit_exact_at_the_same_addresses():
         assert torch.equal(runtime, expected_runtime)
 
 
-def test_a_large_allocation_starts_at_a_multiple_of_its_size_up_to_1_gib():
-    """The driver releases a range aligned to its size faster, and no slower
-    beside a device-to-host copy (issue 38): each allocation is reserved at a
-    multiple of the largest power of two in it, up to 1 GiB, and wakes there."""
+def test_an_allocation_of_1_gib_or_more_starts_at_a_multiple_of_1_gib_and_wakes_there():
+    """The driver releases a range aligned so about 10% faster (issue 38)."""
     alloc = manager()
     with alloc.use_memory_pool("kv_cache"):
         large = torch.empty(1536 * MIB, dtype=torch.uint8, device="cuda")
-        middle = torch.empty(96 * MIB, dtype=torch.uint8, device="cuda")
-    starts = {"large": (large.data_ptr(), GIB), "middle": (middle.data_ptr(), 64 * MIB)}
-    for name, (start, alignment) in starts.items():
-        assert start % alignment == 0, f"the {name} allocation starts at {start:#x}"
+    start = large.data_ptr()
+    assert start % GIB == 0, f"the allocation starts at {start:#x}"
     alloc.sleep(offload_tags=())
     assert alloc.mapped_bytes("kv_cache") == 0
     alloc.wake_up()
-    assert (large.data_ptr(), middle.data_ptr()) == (starts["large"][0], starts["middle"][0])
+    assert large.data_ptr() == start
     large.fill_(3)
     torch.cuda.synchronize()
     assert bool((large == 3).all())
