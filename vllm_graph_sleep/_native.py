@@ -116,12 +116,12 @@ class VmmDriver:
         torch._C._cuda_endAllocateToPool(device, pool.id)
         torch._C._cuda_releasePool(device, pool.id)
 
-    def release_cached_memory(self, collect_garbage: bool = True) -> None:
+    def collect_garbage(self) -> None:
+        gc.collect()
+
+    def release_cached_memory(self) -> None:
         """Has torch hand back the free segments of every pool nobody holds any
-        more (a dropped MemPool, once no graph uses it) and of its default pool;
-        first, unless told not to, what garbage cycles still hold."""
-        if collect_garbage:
-            gc.collect()
+        more (a dropped MemPool, once no graph uses it) and of its default pool."""
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 

@@ -137,6 +137,16 @@ class SleepError(RuntimeError):
 RESUME_HINT = "vLLM keeps scheduling paused until POST /wake_up (LLM.wake_up() offline)"
 
 
+def _release_cached_memory(driver: DeviceDriver, clock: PhaseClock) -> None:
+    """A sleep's first release: what garbage cycles hold, then what torch
+    caches (segments of dropped pools and of the workspaces): nothing to back
+    up there. A lap each (issue 38: the pair grew over the cycles on the 8B)."""
+    driver.collect_garbage()
+    clock.lap("garbage")
+    driver.release_cached_memory()
+    clock.lap("torch's cache")
+
+
 class GraphSleepAllocator:
     """Process-wide owner of all sleep-mode memory (see module docstring)."""
 
@@ -363,6 +373,7 @@ class GraphSleepAllocator:
             )
         self._workspaces.shut_down()
         self._router.drop_graph_pool()
+        self._driver.collect_garbage()
         self._driver.release_cached_memory()
         # This engine sleeps no more: the buffers kept for its next sleep go
         # now, not when their allocations are freed, which can be after the
@@ -405,13 +416,10 @@ class GraphSleepAllocator:
         clock.lap("graph pool claimed")
         workspaces = self._workspaces.release()
         clock.lap("cuBLAS workspaces")
-        # Segments that dropped pools (and the workspaces) freed: nothing to
-        # back up there.
-        self._driver.release_cached_memory()
+        _release_cached_memory(self._driver, clock)
         awake = [allocation for allocation in self.table.live() if allocation.mapped]
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
-        clock.lap("garbage and torch's cache")
         early_tag = KV_CACHE_TAG if kv_cache_cleared else None
         early = EarlyDrop(self._driver, [a for a in to_drop if a.tag == early_tag])
         to_drop = [a for a in to_drop if a.tag != early_tag]

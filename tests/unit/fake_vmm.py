@@ -101,7 +101,7 @@ class FakeVmmDriver:
         self.failing_addresses: dict[str, int] = {}  # call -> the address whose next call fails
         self.unmap_threads: dict[int, str] = {}  # address -> the thread that last unmapped it
         self.stack_limits: dict[int, int] = {}  # device -> per-thread stack bytes
-        self.collections: list[bool] = []  # release_cached_memory calls: collected garbage?
+        self.cache_calls: list[str] = []  # in order: "collect" (garbage), "empty" (torch's cache)
         # torch's graph-safe RNG state: (segment, stream), while a live graph holds it
         self.generator_state: tuple[int, int] | None = None
         self.generator_holds: list[bool] = []  # hold_generator_graph_state calls: pool routed?
@@ -338,8 +338,11 @@ class FakeVmmDriver:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} bytes")
         self.torch_held.append((weakref.ref(holder), size))
 
-    def release_cached_memory(self, collect_garbage: bool = True) -> None:
-        self.collections.append(collect_garbage)
+    def collect_garbage(self) -> None:
+        self.cache_calls.append("collect")
+
+    def release_cached_memory(self) -> None:
+        self.cache_calls.append("empty")
         self._no_routing("empty_cache")
         self.torch_held = [(holder, size) for holder, size in self.torch_held if holder()]
         self.outside_segments = [s for s in self.outside_segments if s[2] > 0]

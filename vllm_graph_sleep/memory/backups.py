@@ -401,7 +401,7 @@ class Backups:
         if to_code or to_recode or now:
             # The coder's scratch and the fingerprints' device copy, cached by
             # torch outside our pools.
-            self._driver.release_cached_memory(collect_garbage=False)
+            self._driver.release_cached_memory()
             clock.lap("backup's scratch freed")
         for allocation in allocations:
             allocation.has_backup = True
@@ -479,7 +479,7 @@ class Backups:
             # The decoder's staging slots, cached by torch outside our pools
             # once the restore that holds them is gone.
             del restore
-            self._driver.release_cached_memory(collect_garbage=False)
+            self._driver.release_cached_memory()
         return restored, fresh
 
     def map_and_restore(

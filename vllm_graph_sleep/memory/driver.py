@@ -120,10 +120,13 @@ class DeviceDriver(Protocol):
         """Ends that routing (use_mem_pool's exit)."""
         ...
 
-    def release_cached_memory(self, collect_garbage: bool = True) -> None:
+    def collect_garbage(self) -> None:
+        """Collects Python's garbage cycles: tensors they hold go back to torch."""
+        ...
+
+    def release_cached_memory(self) -> None:
         """Has torch hand back the free segments of every pool nobody holds and
-        of its default pool; first, unless told not to, collects garbage. torch
-        asserts that no pool is routed meanwhile."""
+        of its default pool. torch asserts that no pool is routed meanwhile."""
         ...
 
     def pool_active_blocks(self, pool: MemoryPool) -> set[tuple[int, int]]:

@@ -84,7 +84,7 @@ class PoolRouter:
                     # start (weights, KV cache). What only garbage cycles still
                     # hold here goes at vLLM's own collection before it
                     # profiles memory, or at the next sleep, which collects first.
-                    self._driver.release_cached_memory(collect_garbage=False)
+                    self._driver.release_cached_memory()
 
     def _routing_stack(self) -> list:
         """This thread's pools of ours routed, innermost last (None: unrouted)."""
