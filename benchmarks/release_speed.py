@@ -51,13 +51,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_graph_sleep.units import GiB
+from vllm_graph_sleep.units import GiB, MiB
 
 BUSY_WAYS = {"each_beside_kernel": "kernel", "each_beside_copy": "copy"}
 THREADED_WAY = "thread_beside_launches"
 WAYS = ("each", "unmap_all_first", "one_unmap", "threads4", *BUSY_WAYS, THREADED_WAY)
 BUSY_KERNEL_CYCLES = 200_000_000  # torch.cuda._sleep: about 0.1 s at 2 GHz
-BUSY_COPY_BYTES = 4 * 1024**3
+BUSY_COPY_BYTES = 4 * GiB
 THREADS = 4
 # CUDA driver API values (cuda.h).
 _ALLOCATION_TYPE_PINNED = 1
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 way,
                 wait_s,
                 args.repeats,
-                args.alignment_mib * 1024 * 1024,
+                args.alignment_mib * MiB,
             )
             row = {"way": way, "wait_s": wait_s, "ms": None, "error": measured.get("error")}
             if way in BUSY_WAYS:
