@@ -448,7 +448,7 @@ class GraphSleepAllocator:
             raise SleepError(
                 f"sleep failed after releasing {error.released} of {len(to_back_up)} backed-up "
                 f"allocations: {error}. They were mapped back from their host copies"
-                f"{early.undo(self._backups)}; the engine is awake, but {RESUME_HINT}."
+                f"{error.note}{early.undo(self._backups)}; the engine is awake, but {RESUME_HINT}."
             ) from error
         try:
             late = drop(self._driver, released, to_drop)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.unit.fake_vmm import PAGE, STALE_BYTE, FakeVmmDriver
-from vllm_graph_sleep.allocator import GraphSleepAllocator, WakeUpError
+from vllm_graph_sleep.allocator import GraphSleepAllocator, SleepError, WakeUpError
 
 MIB = 1 << 20
 
@@ -646,6 +646,48 @@ def test_a_sleep_that_raises_late_still_waits_for_the_kv_cache_thread():
     assert "graph-sleep-kv-release" not in {thread.name for thread in threading.enumerate()}
     assert not manager.allocations[driver.kv_cache].mapped
     assert driver.kv_cache not in driver.memory
+
+
+class _StickyErrorAtARelease(FakeVmmDriver):
+    """Releasing `broken_at` fails with a sticky error: every later wait for
+    the device fails too, as after an illegal memory access. The KV cache
+    takes 0.2 s to give back."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv_cache = self.broken_at = None
+        self.broken = False
+
+    def unmap_and_release(self, device, size, address, handle):
+        if address == self.kv_cache:
+            time.sleep(0.2)
+        if address == self.broken_at:
+            self.broken = True
+            raise RuntimeError("cuMemUnmap failed: an illegal memory access was encountered")
+        super().unmap_and_release(device, size, address, handle)
+
+    def synchronize(self, device):
+        if self.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        super().synchronize(device)
+
+
+def test_a_release_that_fails_and_breaks_the_device_still_ends_in_a_sleep_error():
+    driver = _StickyErrorAtARelease()
+    manager = GraphSleepAllocator(driver)
+    first = allocate(driver, manager, "weights", 4 * MIB, value=1)
+    driver.broken_at = allocate(driver, manager, "weights", 4 * MIB, value=11)
+    driver.kv_cache = allocate(driver, manager, "kv_cache", 8 * MIB, value=2)
+    with pytest.raises(SleepError, match="the engine is awake") as raised:
+        manager.sleep(offload_tags=("weights",), kv_cache_cleared=True)
+    message = str(raised.value)
+    assert "cuMemUnmap failed" in message and "is not certain" in message
+    # The thread was joined before the error left, and every record says
+    # what the driver holds: mapped, and awake (no backup a wake would trust).
+    assert "graph-sleep-kv-release" not in {thread.name for thread in threading.enumerate()}
+    for address in (first, driver.broken_at, driver.kv_cache):
+        record = manager.allocations[address]
+        assert record.mapped and not record.has_backup and address in driver.memory
 
 
 def test_the_backend_releases_the_kv_cache_on_a_thread_of_its_own(install_allocator):

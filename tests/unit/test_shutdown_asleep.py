@@ -68,7 +68,9 @@ def test_a_leftover_asleep_with_a_backup_is_mapped_back_with_its_contents(caplog
     (line,) = [r.getMessage() for r in caplog.records if "still referenced" in r.getMessage()]
     assert "2.00 MiB" in line and "shut down asleep" in line
     assert "mapped back from their host copies" in line and "without" not in line
-    # Set apart from the next engine: its sleeps leave it alone.
+    # Set apart from the next engine: its sleeps leave it alone, so the pinned
+    # buffer its wake came from is given back now, not at the next shutdown.
+    assert manager.allocations[rope].host is None and manager.host_bytes() == 0
     manager.sleep(offload_tags=())
     assert bool((driver.read(rope) == ROPE).all())
 

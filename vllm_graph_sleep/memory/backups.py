@@ -515,9 +515,12 @@ class Backups:
 
     def restore_after_failed_sleep(
         self, released: list[Allocation], backed_up: list[Allocation]
-    ) -> None:
+    ) -> str:
         """Maps `released` back from their host copies; every backup is then
-        marked stale (the allocator is awake and writes will follow)."""
+        marked stale (the allocator is awake and writes will follow). Raises
+        nothing, so that the sleep's own error is the one its caller reports:
+        the error that failed the release often fails the device's wait for
+        the copies back too (a sticky one); returns a note saying so then."""
         restored: list[Allocation] = []
         for allocation in released:
             try:
@@ -532,10 +535,20 @@ class Backups:
                 continue
             allocation.mapped = True
             restored.append(allocation)
-        self.restore(restored, restored)
-        for allocation in backed_up:
-            if allocation.mapped:
-                allocation.has_backup = False
+        note = ""
+        try:
+            self.restore(restored, restored)
+        except Exception as error:
+            logger.exception("graph-sleep: copying back after a failed sleep failed")
+            note = (
+                f"; copying {len(restored)} allocations back from their host copies failed "
+                f"({error}), so what the device holds there is not certain"
+            )
+        finally:
+            for allocation in backed_up:
+                if allocation.mapped:
+                    allocation.has_backup = False
+        return note
 
     def roll_back(self, mapped: list[Allocation]) -> None:
         """Unmaps what a failed wake mapped; their backups stay."""

@@ -112,9 +112,13 @@ class AllocationTable:
         return frozenset(self._by_address)
 
     def orphan_all(self) -> int:
-        """Marks every allocation as left by an earlier engine; returns their bytes."""
+        """Marks every allocation as left by an earlier engine; returns their
+        bytes. A mapped one never sleeps again, so its host buffer goes now."""
         for allocation in self._by_address.values():
             allocation.orphaned = True
+            if allocation.mapped:
+                allocation.drop_host()
+        self._driver.release_dropped_host_buffers()
         return sum(allocation.size for allocation in self._by_address.values())
 
     def mapped_bytes(self, tag: str | None = None) -> int:

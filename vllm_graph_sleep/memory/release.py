@@ -25,11 +25,12 @@ logger = logging.getLogger("vllm.graph_sleep")
 
 class PartialRelease(Exception):
     """Releasing backed-up memory failed after `released` allocations; they
-    were mapped back from their host copies."""
+    were mapped back from their host copies (`note`: what went wrong there)."""
 
-    def __init__(self, released: int, error: Exception) -> None:
+    def __init__(self, released: int, error: Exception, note: str = "") -> None:
         super().__init__(str(error))
         self.released = released
+        self.note = note
 
 
 def release_backed_up(
@@ -44,8 +45,8 @@ def release_backed_up(
             allocation.mapped = False
             released.append(allocation)
     except Exception as error:
-        backups.restore_after_failed_sleep(released, backed_up)
-        raise PartialRelease(len(released), error) from error
+        note = backups.restore_after_failed_sleep(released, backed_up)
+        raise PartialRelease(len(released), error, note) from error
     return released
 
 
@@ -173,11 +174,11 @@ class EarlyDrop:
         emptied = [allocation for allocation in self.allocations if not allocation.mapped]
         if not emptied:
             return ""
-        backups.restore_after_failed_sleep(emptied, [])
+        note = backups.restore_after_failed_sleep(emptied, [])
         size = format_bytes(sum(allocation.size for allocation in emptied))
         return (
             f" (but the {KV_CACHE_TAG}, {size} released while the backup ran, came back "
-            "without its contents: vLLM clears it before every sleep)"
+            f"without its contents: vLLM clears it before every sleep{note})"
         )
 
 
