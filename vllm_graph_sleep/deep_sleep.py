@@ -54,9 +54,13 @@ class DeepSleepError(RuntimeError):
     """A checkpoint that failed; the engine is asleep as the sleep left it."""
 
 
+_RETRY_NOTE = "; the driver still holds the engine: wake it again to retry"
+
+
 class DeepWakeError(RuntimeError):
     """A restore that did not start (no room) or failed; `checkpointed` says
-    whether the engine is still checkpointed, so that a retry can restore it."""
+    whether the driver still holds the engine (checkpointed, or restored and
+    still locked), so that a retry can finish the wake."""
 
     def __init__(self, message: str, checkpointed: bool) -> None:
         super().__init__(message)
@@ -201,6 +205,14 @@ class DeepSleep:
         self._headroom = headroom
         self._lock = threading.Lock()
         self.checkpointed: Checkpointed | None = None
+        # Restored, but the driver's lock not yet lifted: a wake retries the unlock.
+        self.restored_locked: int | None = None
+
+    @property
+    def holds_engine(self) -> bool:
+        """Whether the driver holds the engine: checkpointed, or restored and
+        still locked (its CUDA calls wait until a wake unlocks it)."""
+        return self.checkpointed is not None or self.restored_locked is not None
 
     @classmethod
     def load(cls) -> DeepSleep:
@@ -213,8 +225,8 @@ class DeepSleep:
     def checkpoint(self, pid: int) -> Checkpointed:
         """Locks `pid` (its CUDA work in flight finishes) and checkpoints it."""
         with self._lock:
-            if self.checkpointed is not None:
-                raise DeepSleepError(f"pid {self.checkpointed.pid} is already checkpointed")
+            if self.holds_engine:
+                raise DeepSleepError("the engine is already checkpointed: wake it first")
             used = self._memory.process_bytes(pid)
             if not used:
                 raise DeepSleepRefused(
@@ -275,8 +287,13 @@ class DeepSleep:
 
     def restore(self) -> float:
         """Restores and unlocks the checkpointed process; seconds it took.
-        Starts no restore without room for what the process held."""
+        Starts no restore without room for what the process held. A process
+        restored but not unlocked (that call failed) is unlocked again."""
         with self._lock:
+            if self.restored_locked is not None:
+                started = time.perf_counter()
+                self._unlock_restored(self.restored_locked)
+                return time.perf_counter() - started
             target = self.checkpointed
             if target is None:
                 return 0.0
@@ -297,21 +314,19 @@ class DeepSleep:
                 self._driver.restore(target.pid)
             except Exception as error:
                 state = self._state(target.pid)
-                still = state == "checkpointed"
-                if not still:
+                if state != "checkpointed":
                     self.checkpointed = None
+                if state == "locked":  # restored: the unlock is what is left
+                    self.restored_locked = target.pid
                 raise DeepWakeError(
-                    f"the driver could not restore pid {target.pid}: {error} (it is now {state})",
-                    checkpointed=still,
+                    f"the driver could not restore pid {target.pid}: {error} (it is now "
+                    f"{state}){_RETRY_NOTE if self.holds_engine else ''}",
+                    checkpointed=self.holds_engine,
                 ) from error
             self.checkpointed = None
+            self.restored_locked = target.pid
             restored = time.perf_counter()
-            try:
-                self._driver.unlock(target.pid)
-            except Exception as error:
-                raise DeepWakeError(
-                    f"pid {target.pid} was restored but not unlocked: {error}", checkpointed=False
-                ) from error
+            self._unlock_restored(target.pid)
             done = time.perf_counter()
             logger.info(
                 "graph-sleep deep sleep: pid %d restored on GPU %d (%s free for %s); %.3f s "
@@ -325,6 +340,16 @@ class DeepSleep:
                 1000 * (done - restored),
             )
             return done - started
+
+    def _unlock_restored(self, pid: int) -> None:
+        try:
+            self._driver.unlock(pid)
+        except Exception as error:
+            raise DeepWakeError(
+                f"pid {pid} was restored but not unlocked: {error}{_RETRY_NOTE}",
+                checkpointed=True,
+            ) from error
+        self.restored_locked = None
 
     def _state(self, pid: int) -> str:
         try:
@@ -350,7 +375,7 @@ def sleep(llm: Any, level: int = 1, controller: DeepSleep | None = None) -> Chec
     if why is not None:
         raise DeepSleepRefused(f"deep sleep refused: {why}")
     _controllers[llm] = controller
-    if controller.checkpointed is not None:
+    if controller.holds_engine:
         raise DeepSleepError("the engine is already checkpointed: wake_up first")
     llm.sleep(level=level)
     (pid,) = engine_core_pids(llm.llm_engine)
@@ -368,4 +393,4 @@ def wake_up(llm: Any, tags: list[str] | None = None) -> None:
 
 def is_checkpointed(llm: Any) -> bool:
     controller = _controllers.get(llm)
-    return controller is not None and controller.checkpointed is not None
+    return controller is not None and controller.holds_engine

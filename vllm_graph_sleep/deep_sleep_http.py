@@ -11,8 +11,15 @@
 - `GET /is_sleeping` while checkpointed: `{"is_sleeping": true,
   "checkpointed": true}`, answered here without asking the engine; otherwise
   vLLM's answer as stock gives it.
-- Any other POST while checkpointed gets 409: what reaches the engine's GPU
+- Inference requests pass while checkpointed: AsleepGate, outside this
+  middleware, holds them before they reach the engine, as in any sleep.
+  Any other POST while checkpointed gets 409: what reaches the engine's GPU
   would wait on the driver's lock until the wake.
+- One transition at a time: a deep sleep (vLLM's sleep, then the checkpoint)
+  and every /wake_up run one after the other, and a /sleep or another POST
+  that arrives during one waits for it to end, then is judged by the state it
+  left (a wake sent during a checkpoint restores the engine it finds
+  checkpointed; a second deep sleep gets 409).
 - At the server's shutdown a checkpointed engine is restored first, so that
   vLLM stops an engine core that runs again.
 """
@@ -34,7 +41,13 @@ from vllm_graph_sleep.deep_sleep import (
     controller_for,
     engine_core_pids,
 )
-from vllm_graph_sleep.request_gate import SLEEP_PATH, WAKE_UP_PATH, sleep_level
+from vllm_graph_sleep.request_gate import (
+    ENGINE_SLEPT,
+    INFERENCE_PATHS,
+    SLEEP_PATH,
+    WAKE_UP_PATH,
+    sleep_level,
+)
 from vllm_graph_sleep.settings import parse_yes_no
 
 logger = logging.getLogger("vllm.graph_sleep")
@@ -68,6 +81,20 @@ class _Buffered:
             await send(message)
 
 
+def _checkpoint_asked(params: QueryParams) -> tuple[bool, str | None]:
+    """Whether a /sleep query asks for a deep sleep, or why it is a bad one."""
+    values = params.getlist(CHECKPOINT_PARAM)
+    if len(values) > 1:
+        return False, f"{CHECKPOINT_PARAM} given {len(values)} times: give it once"
+    deep = parse_yes_no(values[0]) if values else False
+    if deep is None:
+        return False, f"invalid {CHECKPOINT_PARAM} {values[0]!r}: 1/true/yes or 0/false/no"
+    if deep and sleep_level(params) == 0:
+        # Level 0 keeps everything on the GPU: the checkpoint would move it all.
+        return False, f"{CHECKPOINT_PARAM}=1 needs a sleep level of 1 or 2"
+    return deep, None
+
+
 class DeepSleepEndpoints:
     """The middleware; one per API server process, owner of its controller."""
 
@@ -78,7 +105,9 @@ class DeepSleepEndpoints:
 
     @property
     def checkpointed(self) -> bool:
-        return self._controller is not None and self._controller.checkpointed is not None
+        """Whether the driver holds the engine (checkpointed, or restored but
+        not yet unlocked): only a wake may reach it."""
+        return self._controller is not None and self._controller.holds_engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -92,43 +121,35 @@ class DeepSleepEndpoints:
         if method == "GET" and path == IS_SLEEPING_PATH:
             await self._is_sleeping(scope, receive, send)
             return
-        if method != "POST":
+        if method != "POST" or path in INFERENCE_PATHS:
             await self.app(scope, receive, send)
             return
         if self._transition is None:
             self._transition = asyncio.Lock()
+        if path == WAKE_UP_PATH:
+            async with self._transition:
+                if self.checkpointed:
+                    await self._deep_wake(scope, receive, send)
+                else:
+                    await self.app(scope, receive, send)
+            return
+        deep = False
         if path == SLEEP_PATH:
             params = QueryParams(scope["query_string"])
-            values = params.getlist(CHECKPOINT_PARAM)
-            if len(values) > 1:
-                await _error(400, f"{CHECKPOINT_PARAM} given {len(values)} times: give it once")(
-                    scope, receive, send
-                )
+            deep, error = _checkpoint_asked(params)
+            if error is not None:
+                await _error(400, error)(scope, receive, send)
                 return
-            deep = parse_yes_no(values[0]) if values else False
-            if deep is None:
-                await _error(
-                    400, f"invalid {CHECKPOINT_PARAM} {values[0]!r}: 1/true/yes or 0/false/no"
-                )(scope, receive, send)
-                return
-            if self.checkpointed:
-                await self._refuse_while_checkpointed(scope, receive, send)
-                return
-            if deep and sleep_level(params) == 0:
-                # Level 0 keeps everything on the GPU: the checkpoint would move it all.
-                await _error(400, f"{CHECKPOINT_PARAM}=1 needs a sleep level of 1 or 2")(
-                    scope, receive, send
-                )
-                return
-            if deep:
-                async with self._transition:
-                    await self._deep_sleep(scope, receive, send)
-                return
-        elif path == WAKE_UP_PATH and self.checkpointed:
+        if deep:
             async with self._transition:
-                await self._deep_wake(scope, receive, send)
+                if self.checkpointed:
+                    await self._refuse_while_checkpointed(scope, receive, send)
+                else:
+                    await self._deep_sleep(scope, receive, send)
             return
-        elif self.checkpointed:
+        async with self._transition:  # a transition under way ends first
+            refused = self.checkpointed
+        if refused:
             await self._refuse_while_checkpointed(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -169,6 +190,7 @@ class DeepSleepEndpoints:
         if inner.status != 200:
             await inner.replay(send)  # vLLM's own answer: no sleep, no checkpoint
             return
+        scope[ENGINE_SLEPT] = True  # for AsleepGate, whatever the checkpoint answers
         (pid,) = engine_core_pids(state.engine_client)
         try:
             await asyncio.to_thread(self._controller.checkpoint, pid)

@@ -44,6 +44,12 @@ requests are held, even once the engine is awake, until a reload or update of
 the weights through this server has succeeded (a /collective_rpc call other
 than NOT_WEIGHT_LOADS, or the dev/rlhf weight-transfer routes); past the bound
 they get 503 saying so. Stock vLLM serves them on whatever the fresh pages hold.
+A level-2 sleep that vLLM turns into nothing, because its executor already
+sleeps (after a level-1 sleep, or a wake of the weights alone), discards
+nothing and holds nothing (executor_sleep says when). A middleware inside the
+gate that answers a /sleep itself after vLLM's sleep ran (deep sleep, whose
+checkpoint can fail after the sleep succeeded) says in the scope whether the
+sleep succeeded (ENGINE_SLEPT): the gate goes by that, not by its answer.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_graph_sleep import settings
 from vllm_graph_sleep.engine_watch import EngineWatch
+from vllm_graph_sleep.executor_sleep import ExecutorSleep
 from vllm_graph_sleep.settings import parse_yes_no
 
 #: The hold of the HTTP request being served (set by AsleepGate for the tasks
@@ -70,6 +77,9 @@ REQUEST_HOLD: ContextVar[Any] = ContextVar("vllm_graph_sleep_request_hold", defa
 
 SLEEP_PATH = "/sleep"
 WAKE_UP_PATH = "/wake_up"
+#: Scope key: whether vLLM's sleep succeeded, set by a middleware inside the
+#: gate whose answer to a /sleep is not vLLM's own (deep_sleep_http).
+ENGINE_SLEPT = "vllm_graph_sleep.engine_slept"
 PAUSE_PATH = "/pause"  # dev/rlhf router
 #: Requests that put the engine to sleep or pause it.
 SLEEP_PATHS = (SLEEP_PATH, PAUSE_PATH)
@@ -222,6 +232,12 @@ def _weights_method(path: str, body: bytes) -> str | None:
     return method if isinstance(method, str) else None
 
 
+def several_api_servers(state: Any) -> bool:
+    """Whether other API server processes share the engine (--api-server-count)."""
+    args = getattr(state, "args", None)
+    return (getattr(args, "api_server_count", None) or 1) > 1
+
+
 def sleep_level(params: QueryParams) -> int | None:
     """The level of a /sleep query as vLLM's handler reads it (None: not a number)."""
     try:
@@ -344,6 +360,7 @@ class AsleepGate:
         self.weights_missing = False
         self.weight_update_open = False
         self.weights_back = asyncio.Event()
+        self.executor = ExecutorSleep()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -352,6 +369,12 @@ class AsleepGate:
         path = scope["path"].removeprefix(scope.get("root_path", ""))
         if path in SLEEP_PATHS:
             await self._forward_sleep(path, scope, receive, send)
+            return
+        if path == WAKE_UP_PATH:
+            status = _Status(send)
+            await self.app(scope, receive, status.send)
+            tags = QueryParams(scope["query_string"]).getlist("tags")
+            self.executor.wake_answered(tags, status.succeeded(), status.status)
             return
         if path in WEIGHT_PATHS:
             await self._forward_weights_call(path, scope, receive, send)
@@ -389,9 +412,7 @@ class AsleepGate:
         the engine (another one may have put it to sleep)."""
         if getattr(state, "engine_client", None) is None:  # not serving yet
             return False
-        args = getattr(state, "args", None)
-        several = (getattr(args, "api_server_count", None) or 1) > 1
-        return self.maybe_asleep or self.weights_missing or several
+        return self.maybe_asleep or self.weights_missing or several_api_servers(state)
 
     async def admit(self, engine: Any) -> str | None:
         """Waits, within the bound, until the engine is awake with its weights;
@@ -460,8 +481,18 @@ class AsleepGate:
             self.sleeps_in_flight -= 1
             self.drains_in_flight -= drains
             self.slept_at = time.monotonic()
-        if path == SLEEP_PATH and sleep_level(params) == 2 and status.succeeded():
+        if path != SLEEP_PATH:
+            return
+        slept = scope.get(ENGINE_SLEPT, status.succeeded())
+        level = sleep_level(params) or 0
+        discarded = self.executor.sleep_answered(level, slept, status.status)
+        if several_api_servers(scope["app"].state):
+            discarded = slept and level == 2  # another server's calls are not seen here
+        if discarded:
             self.weights_missing = True
+            # Requests waiting for the weights since an earlier level-2 sleep
+            # wait on the new event from now on (admit asks again).
+            self.weights_back.set()
             self.weights_back = asyncio.Event()
 
     async def _forward_weights_call(

@@ -145,6 +145,24 @@ def test_a_failed_restore_that_leaves_the_checkpoint_can_be_retried(engine_pid):
     assert lib.states[engine_pid] == "running"
 
 
+def test_a_restore_whose_unlock_fails_keeps_the_engine_held_and_a_retry_unlocks_it(engine_pid):
+    lib = FakeLibcuda()
+    deep, _ = controller(engine_pid, lib)
+    deep.checkpoint(engine_pid)
+    lib.refuse["cuCheckpointProcessUnlock"] = 999
+    with pytest.raises(DeepWakeError, match="restored but not unlocked") as failed:
+        deep.restore()
+    assert failed.value.checkpointed is True and "wake it again" in str(failed.value)
+    assert lib.states[engine_pid] == "locked" and deep.holds_engine
+    with pytest.raises(DeepSleepError, match="already checkpointed"):
+        deep.checkpoint(engine_pid)
+    del lib.refuse["cuCheckpointProcessUnlock"]
+    deep.restore()
+    assert lib.states[engine_pid] == "running" and not deep.holds_engine
+    restores = [call for call, _ in lib.calls if call == "cuCheckpointProcessRestore"]
+    assert len(restores) == 1  # the retry only unlocked
+
+
 def test_a_process_nvml_does_not_list_is_refused_before_any_driver_call(engine_pid):
     deep = DeepSleep(CheckpointDriver(FakeLibcuda()), FakeMemory({}, 0))
     with pytest.raises(DeepSleepRefused, match="NVML lists no GPU memory"):
@@ -292,6 +310,151 @@ def test_a_checkpoint_the_driver_refuses_answers_500_asleep_at_the_level(engine_
     assert "asleep as asked, but not checkpointed" in response.json()["error"]
     assert engine.calls == [("sleep", 2, "abort")]
     assert client.post("/wake_up").status_code == 200  # an ordinary wake
+
+
+def test_a_wake_whose_unlock_fails_answers_503_and_the_next_wake_unlocks(engine_pid, monkeypatch):
+    client, engine, deep, lib = http(engine_pid, monkeypatch)
+    assert client.post("/sleep?level=1&checkpoint=1").status_code == 200
+    lib.refuse["cuCheckpointProcessUnlock"] = 999
+    response = client.post("/wake_up")
+    assert response.status_code == 503 and "restored but not unlocked" in response.text
+    # Still held by the driver: nothing else may reach the engine.
+    assert client.get("/is_sleeping").json() == {"is_sleeping": True, "checkpointed": True}
+    assert client.post("/collective_rpc", json={"method": "x"}).status_code == 409
+    assert engine.calls == [("sleep", 1, "abort")]
+    del lib.refuse["cuCheckpointProcessUnlock"]
+    assert client.post("/wake_up").status_code == 200
+    assert lib.states[engine_pid] == "running"
+    assert engine.calls == [("sleep", 1, "abort"), ("wake_up", None)]
+
+
+class EngineServing(EngineWithCore):
+    """EngineWithCore, with what the patched AsyncLLM._add_request needs, and
+    vLLM's executor rule: a sleep while asleep does nothing (Executor.sleep),
+    so it discards no weights."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(pid)
+        self.added: list = []
+        self.weights_lost = False
+
+        async def add_request_async(request):
+            self.added.append(request)
+
+        self.engine_core.add_request_async = add_request_async
+        self.output_processor = SimpleNamespace(add_request=lambda *args: None)
+        self.log_requests = False
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.calls.append(("sleep", level, mode))
+        if not self.sleeping:
+            self.sleeping, self.weights_lost = True, level == 2
+
+
+def serve_async(engine_pid, monkeypatch, scenario, lib=None, wait_s="5"):
+    """Runs `await scenario(post)` against vLLM's dev sleep router with our
+    middlewares and a completions route that goes through the patched
+    AsyncLLM._add_request (held while asleep); `post(path, delay)` answers
+    with `.seconds` set. Returns (scenario's result, engine, lib)."""
+    import asyncio
+    import time
+
+    import httpx
+    from fastapi import FastAPI
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vllm_graph_sleep import request_gate
+
+    monkeypatch.setenv(request_gate.ASLEEP_WAIT_ENV, wait_s)
+    deep, lib = controller(engine_pid, lib=lib)
+    monkeypatch.setattr(DeepSleep, "load", classmethod(lambda cls: deep))
+    patch.apply()
+    engine = EngineServing(engine_pid)
+    app = FastAPI()
+    api_router.attach_router(app)
+    app.state.engine_client = engine
+
+    @app.post("/v1/completions")
+    async def completions() -> dict:
+        await AsyncLLM._add_request(engine, "request", None, None, 0, None)
+        return {"weights_lost_when_served": engine.weights_lost}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+
+            async def post(path: str, delay: float = 0.0):
+                await asyncio.sleep(delay)
+                started = time.monotonic()
+                response = await client.post(path)
+                response.seconds = time.monotonic() - started
+                return response
+
+            return await scenario(post, client)
+
+    return asyncio.run(main()), engine, lib
+
+
+def test_a_wake_sent_during_the_checkpoint_waits_for_it_then_restores(engine_pid, monkeypatch):
+    import asyncio
+
+    async def scenario(post, client):
+        sleep, wake = await asyncio.gather(
+            post("/sleep?level=1&checkpoint=1"), post("/wake_up", delay=0.2)
+        )
+        return sleep, wake, (await client.get("/is_sleeping")).json()
+
+    lib = FakeLibcuda(hang_s={"cuCheckpointProcessCheckpoint": 0.5})
+    (sleep, wake, asleep), engine, lib = serve_async(engine_pid, monkeypatch, scenario, lib)
+    assert sleep.status_code == 200 and wake.status_code == 200
+    assert wake.seconds >= 0.25  # it waited for the checkpoint to end
+    assert lib.states[engine_pid] == "running" and asleep == {"is_sleeping": False}
+    assert [call for call in engine.calls if call[0] != "is_sleeping"] == [
+        ("sleep", 1, "abort"),
+        ("wake_up", None),
+    ]
+
+
+def test_a_second_deep_sleep_during_the_first_gets_409(engine_pid, monkeypatch):
+    import asyncio
+
+    async def scenario(post, client):
+        return await asyncio.gather(
+            post("/sleep?level=1&checkpoint=1"), post("/sleep?level=1&checkpoint=1", delay=0.1)
+        )
+
+    lib = FakeLibcuda(hang_s={"cuCheckpointProcessCheckpoint": 0.3})
+    (first, second), engine, lib = serve_async(engine_pid, monkeypatch, scenario, lib)
+    assert first.status_code == 200 and second.status_code == 409
+    assert engine.calls == [("sleep", 1, "abort")] and lib.states[engine_pid] == "checkpointed"
+
+
+def test_an_inference_request_while_checkpointed_is_held_until_the_wake(engine_pid, monkeypatch):
+    import asyncio
+
+    async def scenario(post, client):
+        await post("/sleep?level=1&checkpoint=1")
+        return await asyncio.gather(post("/v1/completions"), post("/wake_up", delay=0.5))
+
+    (answer, wake), engine, lib = serve_async(engine_pid, monkeypatch, scenario)
+    assert wake.status_code == 200 and lib.states[engine_pid] == "running"
+    assert answer.status_code == 200 and answer.seconds >= 0.4, answer.text
+    assert len(engine.added) == 1
+
+
+def test_a_level_2_deep_sleep_whose_checkpoint_fails_still_holds_requests_for_the_weights(
+    engine_pid, monkeypatch
+):
+    async def scenario(post, client):
+        sleep = await post("/sleep?level=2&checkpoint=1")
+        await post("/wake_up")
+        return sleep, await post("/v1/completions")
+
+    lib = FakeLibcuda(refuse={"cuCheckpointProcessLock": 801})
+    (sleep, answer), engine, _ = serve_async(engine_pid, monkeypatch, scenario, lib, wait_s="0.3")
+    assert sleep.status_code == 500 and engine.weights_lost
+    assert answer.status_code == 503 and "reload" in answer.json()["error"]
+    assert engine.added == []
 
 
 # -- offline: vllm.LLM, and doctor ---------------------------------------------

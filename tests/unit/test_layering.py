@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "rank_sleep": 3,
     "request_gate": 3,
     "engine_watch": 3,
+    "executor_sleep": 3,
     "sampler_scratch": 3,
     "breakable_order": 3,
     # features the patches wire in (they may read vLLM)

@@ -849,3 +849,59 @@ def test_after_level_2_a_request_gets_503_until_the_weights_are_reloaded(llama, 
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert "reload_weights" in refused.json()["error"] and 0.4 <= refused.seconds < 2
     assert served.status_code == 200 and len(added) == 1
+
+
+# -- a level-2 sleep vLLM turns into nothing (review, 2026-12-06) -------------
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        ["/sleep?level=1"],  # asleep: vLLM's executor ignores the level-2 sleep
+        ["/sleep?level=1", "/wake_up?tags=weights"],  # the KV cache still sleeps
+    ],
+)
+def test_a_level_2_sleep_of_an_engine_already_asleep_holds_no_request(llama, wait_s, before):
+    """The weights keep their level-1 backup: asking for a reload would make a
+    client throw away weights it updated."""
+    wait_s(0.4)
+
+    async def scenario(client, core):
+        for path in [*before, "/sleep?level=2", "/wake_up"]:
+            assert (await timed_post(client, path)).status_code == 200, path
+        return await timed_post(client, "/v1/completions", completion(llama))
+
+    answer = serve_vllm(llama, scenario)
+    assert answer.status_code == 200 and answer.seconds < 0.4, answer.text[:300]
+
+
+def test_a_level_2_sleep_after_a_level_0_pause_holds_requests_for_the_weights(llama, wait_s):
+    """Level 0 only paused the scheduler: the level-2 sleep discarded the weights."""
+    wait_s(0.4)
+
+    async def scenario(client, core):
+        for path in ["/sleep?level=0", "/sleep?level=2", "/wake_up"]:
+            assert (await timed_post(client, path)).status_code == 200, path
+        return await timed_post(client, "/v1/completions", completion(llama))
+
+    answer = serve_vllm(llama, scenario)
+    assert answer.status_code == 503 and "reload" in answer.json()["error"]
+
+
+def test_a_request_waiting_for_the_weights_through_a_second_level_2_sleep_is_served(llama, wait_s):
+    wait_s(5)
+    reload = json.dumps({"method": "reload_weights"}).encode()
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=2")
+        await timed_post(client, "/wake_up")
+        answer, *_ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)),
+            timed_post(client, "/sleep?level=2", delay=0.2),
+            timed_post(client, "/wake_up", delay=0.4),
+            timed_post(client, "/collective_rpc", reload, delay=0.6),
+        )
+        return answer
+
+    answer = serve_vllm(llama, scenario)
+    assert answer.status_code == 200 and 0.6 <= answer.seconds < 3, answer.text[:300]
