@@ -16,7 +16,9 @@ So the calls' answers are followed: one refused with a 4xx changed nothing
 (the engine was not called, or refused it first); after any other failure the
 state is unknown until a wake of every tag succeeds, and while it is unknown
 every level-2 sleep counts as discarding the weights (the safe side: requests
-then wait for a reload).
+then wait for a reload). So does a level-2 sleep that failed that way: with
+several ranks, those that slept lost their weights before the others failed
+and all were woken back up (rank_sleep).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class ExecutorSleep:
         discarded the weights (or may have: the state was unknown)."""
         if not succeeded:
             self._failed(status)
-            return False
+            return level == 2 and self.asleep is None
         if level < 1:
             return False
         if self.asleep is None:
@@ -63,5 +65,12 @@ class ExecutorSleep:
             self.asleep -= woken
 
     def _failed(self, status: int | None) -> None:
-        if status is None or not 400 <= status < 500:
+        if not refused_before_the_engine(status):
             self.asleep = None
+
+
+def refused_before_the_engine(status: int | None) -> bool:
+    """Whether a failed call's answer says it changed nothing: a 4xx (the
+    engine was not called, or refused the call first). A 5xx, or an error
+    raised before any answer (None), may come after the engine acted."""
+    return status is not None and 400 <= status < 500

@@ -1,4 +1,5 @@
-"""A sleep that every rank of an engine takes, or none takes.
+"""A sleep that every rank of an engine takes, or none takes; a wake whose
+failure on one rank leaves every later reply in step.
 
 vLLM 0.26's `Executor.sleep` sends "sleep" to every worker and records the
 engine asleep only when no worker raised. With more than one rank (TP, PP) one
@@ -18,6 +19,13 @@ the same way) and raises `SleepError`: the engine is awake on every rank. If a
 rank cannot be woken back up, the engine is recorded asleep, so that the next
 wake reaches every rank. Either way vLLM keeps scheduling paused (it paused
 before the sleep) until `POST /wake_up` or `LLM.wake_up()`.
+
+A wake that fails on one rank (no room to map its memory back) raised there,
+so the executor read no later rank's reply either. A worker answers it with a
+`RankWakeFailure` (`wake_rank`); `wake_every_rank` reads every reply and
+raises `WakeUpError` naming the ranks: the executor keeps the engine recorded
+asleep with the tags it had, so that a retried wake reaches every rank again
+(a rank that woke has nothing left asleep, and its wake does nothing).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vllm_graph_sleep.allocator import RESUME_HINT, SleepError
+from vllm_graph_sleep.allocator import RESUME_HINT, SleepError, WakeUpError
 
 logger = logging.getLogger("vllm.graph_sleep")
 
@@ -35,6 +43,13 @@ logger = logging.getLogger("vllm.graph_sleep")
 @dataclasses.dataclass(frozen=True)
 class RankSleepFailure:
     """A worker's reply to a sleep it could not complete (it did not raise)."""
+
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankWakeFailure:
+    """A worker's reply to a wake it could not complete (it did not raise)."""
 
     error: str
 
@@ -53,15 +68,26 @@ def sleep_rank(sleep: Callable[[], Any]) -> RankSleepFailure | None:
     return None
 
 
+def wake_rank(wake: Callable[[], Any]) -> Any:
+    """Runs this rank's wake; a failure is answered, not raised."""
+    try:
+        return wake()
+    except Exception as error:
+        logger.exception("graph-sleep: this rank could not wake; the engine stays asleep")
+        return RankWakeFailure(_describe(error))
+
+
 def wake_back(worker: Any) -> str | None:
     """Run on every rank (collective_rpc) after a failed sleep: wakes this
     rank's memory, a no-op where nothing sleeps, and answers what failed
     instead of raising."""
     try:
-        worker.wake_up(None)
+        reply = worker.wake_up(None)
     except Exception as error:
-        logger.exception("graph-sleep: this rank could not be woken back up after a failed sleep")
-        return _describe(error)
+        reply = RankWakeFailure(_describe(error))
+    if isinstance(reply, RankWakeFailure):
+        logger.error("graph-sleep: this rank could not be woken back up after a failed sleep")
+        return reply.error
     return None
 
 
@@ -105,3 +131,17 @@ def sleep_every_rank(
         f"{_ranks(left_asleep)}. The engine is recorded asleep: {RESUME_HINT}, which wakes "
         "every rank."
     )
+
+
+def wake_every_rank(collective_rpc: Callable[..., list[Any]], tags: list[str] | None) -> None:
+    """Sends "wake_up" to every rank and reads every reply; raises WakeUpError
+    naming the ranks that could not wake (the caller then records nothing)."""
+    replies = collective_rpc("wake_up", kwargs={"tags": tags})
+    failed = _failures(replies, lambda r: r.error if isinstance(r, RankWakeFailure) else None)
+    if failed:
+        raise WakeUpError(
+            f"wake_up(tags={tags}) failed on {len(failed)} of {len(replies)} rank(s): "
+            f"{_ranks(failed)}. The engine stays recorded asleep: free the device memory held "
+            "elsewhere and wake it again, which reaches every rank (one that woke has nothing "
+            "left to wake)."
+        )

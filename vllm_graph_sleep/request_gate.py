@@ -67,7 +67,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_graph_sleep import settings
 from vllm_graph_sleep.engine_watch import EngineWatch
-from vllm_graph_sleep.executor_sleep import ExecutorSleep
+from vllm_graph_sleep.executor_sleep import ExecutorSleep, refused_before_the_engine
 from vllm_graph_sleep.settings import parse_yes_no
 
 #: The hold of the HTTP request being served (set by AsleepGate for the tasks
@@ -372,9 +372,11 @@ class AsleepGate:
             return
         if path == WAKE_UP_PATH:
             status = _Status(send)
-            await self.app(scope, receive, status.send)
-            tags = QueryParams(scope["query_string"]).getlist("tags")
-            self.executor.wake_answered(tags, status.succeeded(), status.status)
+            try:
+                await self.app(scope, receive, status.send)
+            finally:  # an engine error reaches here raised, answered 500 outside
+                tags = QueryParams(scope["query_string"]).getlist("tags")
+                self.executor.wake_answered(tags, status.succeeded(), status.status)
             return
         if path in WEIGHT_PATHS:
             await self._forward_weights_call(path, scope, receive, send)
@@ -477,17 +479,19 @@ class AsleepGate:
         status = _Status(send)
         try:
             await self.app(scope, receive, status.send)
-        finally:
+        finally:  # an engine error reaches here raised, answered 500 outside
             self.sleeps_in_flight -= 1
             self.drains_in_flight -= drains
             self.slept_at = time.monotonic()
-        if path != SLEEP_PATH:
-            return
+            if path == SLEEP_PATH:
+                self._sleep_answered(scope, params, status)
+
+    def _sleep_answered(self, scope: Scope, params: QueryParams, status: _Status) -> None:
         slept = scope.get(ENGINE_SLEPT, status.succeeded())
         level = sleep_level(params) or 0
         discarded = self.executor.sleep_answered(level, slept, status.status)
-        if several_api_servers(scope["app"].state):
-            discarded = slept and level == 2  # another server's calls are not seen here
+        if several_api_servers(scope["app"].state):  # another server's calls are not seen here
+            discarded = level == 2 and (slept or not refused_before_the_engine(status.status))
         if discarded:
             self.weights_missing = True
             # Requests waiting for the weights since an earlier level-2 sleep

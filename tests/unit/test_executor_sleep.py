@@ -45,8 +45,10 @@ class VllmEngine:
         self.executor.is_sleeping = False
         self.executor.sleeping_tags = set()
         self.worker_calls = self.executor.worker_calls = []
-        # Unpatched: our wrapper keeps vLLM's rule for a repeated sleep.
+        # vLLM's own, unpatched (our wrappers keep these rules; other tests
+        # may have applied them).
         self.executor.sleep = original_of(Executor.sleep).__get__(self.executor)
+        self.executor.wake_up = original_of(Executor.wake_up).__get__(self.executor)
         self.core = SimpleNamespace(
             model_executor=self.executor,
             pause_scheduler=lambda mode, clear_cache: None,
@@ -76,7 +78,7 @@ def run(steps) -> None:
         assert ours.asleep == vllm.executor.sleeping_tags, steps
 
 
-@pytest.mark.parametrize("steps", itertools.product(SLEEPS + WAKES, repeat=3))
+@pytest.mark.parametrize("steps", list(itertools.product(SLEEPS + WAKES, repeat=3)))
 def test_every_three_calls_agree_with_vllm(steps):
     run(steps)
 
@@ -117,3 +119,16 @@ def test_a_call_refused_with_a_4xx_changed_nothing():
     ours.sleep_answered(2, False, 409)
     assert ours.asleep == {"weights", "kv_cache"}
     assert ours.sleep_answered(2, True, 200) is False
+
+
+@pytest.mark.parametrize("status", [None, 500])
+def test_a_level_2_sleep_that_failed_counts_as_discarding_the_weights(status):
+    """With several ranks, those that slept dropped their weights before the
+    others failed, and every rank was woken back up (rank_sleep)."""
+    ours = ExecutorSleep()
+    assert ours.sleep_answered(2, False, status) is True
+    assert ours.sleep_answered(1, False, status) is False
+
+
+def test_a_level_2_sleep_refused_with_a_4xx_discarded_nothing():
+    assert ExecutorSleep().sleep_answered(2, False, 409) is False

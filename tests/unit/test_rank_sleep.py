@@ -257,3 +257,48 @@ def test_a_failed_level_2_sleep_says_the_ranks_that_slept_need_their_weights_rel
     assert bool((engine.drivers[1].read(engine.weights[1]) == 11).all())  # it never slept
     message = str(raised.value)
     assert "rank 1" in message and "dropped their weights (level 2): reload them" in message
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_wake_failing_on_one_rank_keeps_replies_in_step_and_the_engine_asleep(
+    engine, failing_rank
+):
+    """Review, 2026-12-06: the failed rank raised, the executor read no later
+    reply, and a later failed sleep was then read as a success."""
+    from vllm_graph_sleep.allocator import WakeUpError
+
+    engine.core.sleep(level=1)
+    engine.drivers[failing_rank].fail("create_and_map")  # no room to map back
+    with pytest.raises(WakeUpError) as raised:
+        engine.core.wake_up()
+    assert f"rank {failing_rank}" in str(raised.value) and "1 of 2 rank(s)" in str(raised.value)
+    assert all(replies.pending() == 0 for replies in engine.replies)
+    assert engine.executor.collective_rpc(_rank_of) == [0, 1]
+    assert engine.executor.is_sleeping and engine.core.is_sleeping()
+    assert engine.executor.sleeping_tags == {"weights", "kv_cache"}
+    assert engine.asleep(failing_rank) and engine.awake(1 - failing_rank)
+    engine.core.wake_up()  # the retry reaches every rank
+    assert not engine.core.is_sleeping() and engine.awake(0) and engine.awake(1)
+    for rank in range(2):
+        assert bool((engine.drivers[rank].read(engine.weights[rank]) == 10 + rank).all())
+    # A sleep that then fails on a rank is read as the failure it is.
+    with engine.allocators[1].allocation_tag("cudagraph"):
+        engine.drivers[1].malloc(PAGE)  # a backup that needs a new pinned buffer
+    engine.drivers[1].fail("host_buffer")
+    with pytest.raises(SleepError, match="rank 1"):
+        engine.core.sleep(level=1)
+    assert engine.awake(0) and engine.awake(1) and not engine.executor.is_sleeping
+
+
+def test_a_staged_wake_failing_on_a_rank_keeps_the_tags_asleep(engine):
+    from vllm_graph_sleep.allocator import WakeUpError
+
+    engine.core.sleep(level=1)
+    engine.drivers[0].fail("create_and_map")
+    with pytest.raises(WakeUpError):
+        engine.core.wake_up(["weights"])
+    assert engine.executor.sleeping_tags == {"weights", "kv_cache"}
+    engine.core.wake_up(["weights"])
+    assert engine.executor.sleeping_tags == {"kv_cache"} and engine.core.is_sleeping()
+    engine.core.wake_up(["kv_cache"])
+    assert not engine.core.is_sleeping() and engine.awake(0) and engine.awake(1)

@@ -905,3 +905,24 @@ def test_a_request_waiting_for_the_weights_through_a_second_level_2_sleep_is_ser
 
     answer = serve_vllm(llama, scenario)
     assert answer.status_code == 200 and 0.6 <= answer.seconds < 3, answer.text[:300]
+
+
+def test_a_level_2_sleep_that_failed_holds_requests_for_the_weights(llama, wait_s):
+    """With several ranks, those that slept lost their weights before another
+    failed, and all were woken back up (rank_sleep): the safe side."""
+    wait_s(0.4)
+
+    async def scenario(client, core):
+        async def failing_sleep(level, mode):
+            core.calls.append(("sleep", level, mode))
+            raise RuntimeError("sleep(level=2) failed on 1 of 2 rank(s)")
+
+        core.sleep_async = failing_sleep
+        # Raised through the middlewares (a server answers 500 outside them).
+        with pytest.raises(RuntimeError, match="failed on 1 of 2 rank"):
+            await timed_post(client, "/sleep?level=2")
+        await timed_post(client, "/wake_up")
+        return await timed_post(client, "/v1/completions", completion(llama))
+
+    answer = serve_vllm(llama, scenario)
+    assert answer.status_code == 503 and "reload" in answer.json()["error"]

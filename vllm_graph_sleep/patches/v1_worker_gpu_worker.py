@@ -26,7 +26,9 @@ gate is on in this worker, this patch
   Upstream did the same in PR #59158.
 - answers a sleep that fails on this rank with a failure reply instead of
   raising (rank_sleep.sleep_rank), so that the executor reads every rank's
-  reply and wakes the ranks that slept back up (v1_executor_abstract);
+  reply and wakes the ranks that slept back up (v1_executor_abstract); a
+  wake that fails the same way (rank_sleep.wake_rank), so that the executor
+  reads every reply and keeps the engine recorded asleep;
 - keeps the model buffers a level-2 sleep saved until the wake that brings
   the weights back (vLLM 0.26 copies them into the still-unmapped weights
   when "kv_cache" is woken first);
@@ -202,20 +204,26 @@ def _wrap_sleep(original):
 
 
 def _wrap_wake_up(original):
-    def wake_up(self, tags=None, *args, **kwargs):
+    def wake(self, tags, *args, **kwargs):
         # After a level-2 sleep, vLLM restores the model's saved buffers on any
         # wake; those buffers live in the weights pool, so a wake that leaves
         # the weights asleep (tags=["kv_cache"] first) copied into unmapped
         # memory ("CUDA error: invalid argument", found by benchmarks/http_fuzz.py
         # on an H200). Keep them saved until the wake that brings the weights.
         saved = getattr(self, "_sleep_saved_buffers", None)
-        if not (config.is_active() and saved and tags is not None and "weights" not in tags):
+        if not (saved and tags is not None and "weights" not in tags):
             return original(self, tags, *args, **kwargs)
         self._sleep_saved_buffers = {}
         try:
             return original(self, tags, *args, **kwargs)
         finally:
             self._sleep_saved_buffers = saved
+
+    def wake_up(self, tags=None, *args, **kwargs):
+        if not config.is_active():
+            return original(self, tags, *args, **kwargs)
+        # A failure is answered, so that the executor reads every rank's reply.
+        return rank_sleep.wake_rank(lambda: wake(self, tags, *args, **kwargs))
 
     return wake_up
 
