@@ -11,6 +11,7 @@ arguments) end with one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import signal
 import sys
@@ -62,6 +63,20 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
+
+
+def _shell_words(text: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as error:  # an unbalanced quote
+        raise argparse.ArgumentTypeError(f"{error} in {text!r}") from None
 
 
 def _fraction(text: str) -> float:
@@ -131,7 +146,7 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--start-timeout",
-        type=float,
+        type=_positive_seconds,
         default=BenchSettings.start_timeout,
         help="seconds a server may take to answer /health (default %(default)s)",
     )
@@ -163,6 +178,7 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--serve-args",
+        type=_shell_words,
         default="",
         metavar="ARGS",
         help="more `vllm serve` arguments for every configuration, one string",
@@ -227,7 +243,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         warm_starts=args.warm_starts,
         start_rounds=args.start_rounds,
         floor=args.floor,
-        serve_args=tuple(shlex.split(args.serve_args)),
+        serve_args=args.serve_args,
         out=args.out,
     )
 
@@ -249,7 +265,7 @@ def bench_main(args: argparse.Namespace) -> int:
             table, pngs, missing = rerender(args.report, args.out)
         except (OSError, ValueError) as error:
             names = " ".join(map(str, args.report))
-            return _fail(f"cannot use {names}: {error}", EXIT_USAGE)
+            return _fail(f"--report {names}: {error}", EXIT_USAGE)
         print(table)
         print(_plots_line(pngs, missing))
         return 0

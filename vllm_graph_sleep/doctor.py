@@ -206,7 +206,10 @@ def parse_serve_args(serve_args: Sequence[str]) -> Any:
             raise DoctorUsageError(f"vllm serve would reject these arguments: {_one_line(message)}")
 
     parser = make_arg_parser(OneLineErrors(prog="vllm-graph-sleep doctor"))
-    args = parser.parse_args(list(serve_args))
+    try:
+        args = parser.parse_args(list(serve_args))
+    except OSError as error:  # --config FILE, read while parsing
+        raise DoctorUsageError(f"vllm serve would reject these arguments: {error}") from None
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag
     try:
@@ -329,12 +332,12 @@ def graphs_state(engine_args: Any, resolved: Any) -> tuple[bool, str, str]:
     level = getattr(level, "value", level)
     compile_mode = _mode_name(compilation.mode)
     why = f"vLLM resolves cudagraph_mode to NONE (compilation mode {compile_mode}, -O{level})"
-    return (
-        False,
-        why,
-        "use -O1 or higher, or compilation mode 3 (VLLM_COMPILE) with the cudagraph_mode you "
-        "want; cudagraph_mode FULL_DECODE_ONLY also works without compilation",
-    )
+    fix = "compilation mode 3 (VLLM_COMPILE) with the cudagraph_mode you want"
+    if not isinstance(level, int) or level < 1:  # at -O1 and above the mode is what turns them off
+        fix = f"use -O1 or higher, or {fix}"
+    else:
+        fix = f"use {fix}"
+    return False, why, f"{fix}; cudagraph_mode FULL_DECODE_ONLY also works without compilation"
 
 
 def _local_architectures(model: str) -> list[str]:
@@ -603,8 +606,8 @@ def plugin_checks(active: bool, environ: MutableMapping[str, str], diag: Diagnos
             (
                 f"the {ENTRY_POINT_GROUP} entry point {ENTRY_POINT_NAME!r} is not installed, so "
                 "vllm serve does not load the plugin (and rejects --sleep-mode-offload-cudagraph)",
-                "pip install -e . (or pip install vllm-graph-sleep) into the environment that "
-                "runs vllm",
+                "pip install -e <this repository> into the environment that runs vllm (the "
+                "package is not on PyPI)",
             )
         )
     allowed = environ.get("VLLM_PLUGINS")
@@ -715,7 +718,7 @@ def diagnose(
         )
     if gate.requested and not gate.active:
         if not engine_args.enable_sleep_mode:
-            fix = "add --enable-sleep-mode"
+            fix = "add --enable-sleep-mode" + ("" if graphs_on else f"; {graphs_fix}")
         elif not graphs_on:
             fix = graphs_fix
         else:

@@ -130,6 +130,10 @@ def test_bench_lists_take_commas_and_spaces_keep_order_and_drop_repeats(tmp_path
         (["--start-rounds", "-2"], "must be 0 or more"),
         (["--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
         (["--model-kind", "gpt"], "invalid choice"),
+        (["--serve-args", "--chat-template 'x"], "No closing quotation"),
+        (["--start-timeout", "-5"], "must be a number of seconds above 0"),
+        (["--start-timeout", "nan"], "must be a number of seconds above 0"),
+        (["--start-timeout", "inf"], "must be a number of seconds above 0"),
     ],
 )
 def test_bench_rejects_bad_arguments(argv, complaint, capsys):
@@ -543,12 +547,41 @@ def test_merged_runs_keep_the_start_rounds_of_every_file(recorded):
     assert "start_rounds" not in runner.merge([recorded], ["a"])
 
 
-def test_report_option_refuses_other_json(tmp_path, capsys):
+@pytest.mark.parametrize("text", [json.dumps({"schema": "something-else"}), "[1, 2]", "3"])
+def test_report_option_refuses_other_json(tmp_path, capsys, text):
     other = tmp_path / "x.json"
-    other.write_text(json.dumps({"schema": "something-else"}))
+    other.write_text(text)
     assert cli.main(["bench", "--report", str(other)]) == cli.EXIT_USAGE
     err = capsys.readouterr().err.strip()
-    assert err.startswith("vllm-graph-sleep bench: cannot use") and "\n" not in err
+    assert err.startswith(f"vllm-graph-sleep bench: --report {other}: {other}: not a bench result")
+    assert "\n" not in err
+
+
+def test_report_option_writes_into_a_new_out_folder(tmp_path, capsys):
+    out = tmp_path / "new" / "folder"
+    assert cli.main(["bench", "--report", str(FIXTURE), "--out", str(out)]) == 0
+    assert (out / "bench-results-fixture.table.txt").is_file()
+
+
+def test_bench_out_that_cannot_be_a_folder_stops_with_one_line(fake_bench, tmp_path, capsys):
+    argv, out = fake_bench
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    code = cli.main([str(taken) if arg == str(out) else arg for arg in argv])
+    err = capsys.readouterr().err.strip()
+    assert code == cli.EXIT_FAILED and err.startswith(f"vllm-graph-sleep bench: --out {taken}:")
+    assert "\n" not in err
+
+
+def test_bench_model_that_is_not_a_model_stops_before_anything_is_written(
+    fake_bench, tmp_path, capsys
+):
+    argv, out = fake_bench
+    at = argv.index("--model") + 1
+    argv[at] = str(tmp_path / "missing")
+    assert cli.main(argv) == cli.EXIT_FAILED
+    assert "not a model directory" in capsys.readouterr().err
+    assert not out.exists()
 
 
 # -- bench: the no-GPU path, in a subprocess ------------------------------------------
@@ -1425,11 +1458,19 @@ def test_doctor_names_a_missing_model_folder(capsys, tmp_path):
     [
         (("-cc.cudagraph_mode=none",), "drop cudagraph_mode NONE"),
         (("-O0",), "use -O1 or higher"),
+        # At the default -O2 it is the compilation mode that turns graphs off.
+        (("-cc", '{"mode": 0, "cudagraph_mode": "PIECEWISE"}'), "use compilation mode 3"),
     ],
 )
 def test_doctor_flag_with_graphs_off_otherwise(capsys, args, fix):
     code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE, *args)
     assert code == 1 and f"fix: {fix}" in out
+
+
+def test_doctor_fix_names_everything_that_keeps_the_flag_from_working(capsys):
+    args = ("m", "--sleep-mode-offload-cudagraph", "--enforce-eager")
+    code, out = run_doctor(capsys, "--platform", "cuda", *args)
+    assert code == 1 and "fix: add --enable-sleep-mode; drop --enforce-eager" in out
 
 
 def test_doctor_plans_rocm_with_vllm_custom_all_reduce(capsys):
@@ -1680,6 +1721,21 @@ def test_doctor_rejects_what_vllm_serve_rejects_in_one_line(capsys, argv, error)
     assert captured.err.count("\n") == 1, captured.err
     assert captured.err.startswith("vllm-graph-sleep doctor: vllm serve would reject")
     assert error in captured.err
+
+
+def test_doctor_names_a_config_file_it_cannot_read_in_one_line(capsys, tmp_path):
+    code = doctor.main(["--platform", "cuda", "m", "--config", str(tmp_path / "none.yaml")])
+    captured = capsys.readouterr()  # vLLM logs its own line about the file too
+    assert code == 2 and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith("vllm-graph-sleep doctor: vllm serve would reject")
+    assert "No such file or directory" in captured.err and "none.yaml" in captured.err
+
+
+def test_doctor_advises_installing_from_the_checkout_only(capsys, monkeypatch):
+    monkeypatch.setattr(doctor.importlib.metadata, "entry_points", lambda group: [])
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 1
+    assert "pip install -e <this repository>" in out and "pip install vllm-graph-sleep" not in out
 
 
 def test_doctor_help(capsys):

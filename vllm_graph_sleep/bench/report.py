@@ -485,8 +485,7 @@ def write_json(results: dict[str, Any], path: Path) -> None:
 
 def read_json(path: Path) -> dict[str, Any]:
     data = json.loads(Path(path).read_text())
-    if data.get("schema") != SCHEMA:
-        raise ValueError(
-            f"{path}: not a bench result (schema {data.get('schema')!r}, want {SCHEMA!r})"
-        )
+    schema = data.get("schema") if isinstance(data, dict) else None
+    if schema != SCHEMA:
+        raise ValueError(f"{path}: not a bench result (schema {schema!r}, want {SCHEMA!r})")
     return data

@@ -99,6 +99,14 @@ def start_model(
     return MadeInAChild(settings.model_kind, target, env)
 
 
+def model_directory(model: str) -> str:
+    """The --model directory, resolved; BenchError if it holds no model."""
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise BenchError(f"--model {model}: not a model directory (no config.json)")
+    return str(path.resolve())
+
+
 def resolve_model(
     settings: BenchSettings,
     progress: Callable[[str], None],
@@ -108,10 +116,7 @@ def resolve_model(
     """The run's model directory: --model, or the made one, once `making` (or a
     child started here with `env`, when none was) has made it."""
     if settings.model is not None:
-        path = Path(settings.model).expanduser()
-        if not (path / "config.json").is_file():
-            raise BenchError(f"--model {settings.model}: not a model directory (no config.json)")
-        return str(path.resolve())
+        return model_directory(settings.model)
     if making is None:
         making = start_model(settings, progress, env)
     if making is not None:
@@ -225,9 +230,14 @@ def run(
     progress = progress or Progress()
     command_for = command_for or real_command
     env = with_forked_engine_core(env)
+    if settings.model is not None:
+        model_directory(settings.model)  # before anything is written or measured
     out = settings.out or default_out_dir()
     settings.out = out
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BenchError(f"--out {out}: {error}") from None
     progress(f"results go to {out}")
     making = model_to_make(settings)
     progress(estimate.describe(settings, making))
@@ -377,6 +387,7 @@ def rerender(json_paths: list[Path], out: Path | None = None) -> tuple[str, list
 
     parts = [read_json(path) for path in json_paths]
     out = json_paths[0].parent if out is None else out
+    out.mkdir(parents=True, exist_ok=True)
     if len(parts) == 1:
         results, stem = parts[0], json_paths[0].stem
     else:
