@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -208,6 +209,7 @@ class VmmDriver:
 
     def release_dropped_host_buffers(self) -> None:
         release_dropped_host_buffers()
+        self._host_buffers.empty_torch_cache_if_dropped()
 
     def synchronize(self, device: int) -> None:
         torch.cuda.synchronize(device)
@@ -427,11 +429,25 @@ class HostBuffers:
         self._registering = kind == REGISTERED_HOST_BUFFERS
         self._make_runtime = make_runtime
         self._runtime: Any = None
+        self._torch_buffer_dropped = threading.Event()
 
     def make(self, size: int) -> torch.Tensor:
         """A uint8 CPU tensor of `size` (> 0) page-locked bytes."""
         host = self._registered(size) if self._registering else None
-        return _torch_pinned_buffer(size) if host is None else host
+        if host is None:
+            host = _torch_pinned_buffer(size)
+            weakref.finalize(host, self._torch_buffer_dropped.set)
+        return host
+
+    def empty_torch_cache_if_dropped(self) -> None:
+        """Where a buffer from torch's pinned allocator was dropped since the
+        last call, has torch unpin what it caches: torch keeps a freed pinned
+        block for reuse, so a dropped backup (released host memory, a discard,
+        a freed allocation) would otherwise stay pinned. Called where nothing
+        captures (cudaFreeHost is no capture-safe call)."""
+        if self._torch_buffer_dropped.is_set():
+            self._torch_buffer_dropped.clear()
+            torch._C._host_emptyCache()
 
     def _registered(self, size: int) -> torch.Tensor | None:
         """A registered buffer, or None once registration is given up."""

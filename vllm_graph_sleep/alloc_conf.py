@@ -26,12 +26,18 @@ _holders = 0  # open expandable_segments_off() contexts that changed the setting
 
 
 def user_alloc_conf() -> str:
-    """The allocator setting torch reads: a set PYTORCH_CUDA_ALLOC_CONF (even an
-    empty one) shadows PYTORCH_ALLOC_CONF."""
-    cuda_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-    if cuda_conf is not None:
-        return cuda_conf
-    return os.environ.get("PYTORCH_ALLOC_CONF", "")
+    """The allocator setting torch reads (c10/cuda/CUDAAllocatorConfig.h): the
+    first of PYTORCH_CUDA_ALLOC_CONF, on ROCm PYTORCH_HIP_ALLOC_CONF, and
+    PYTORCH_ALLOC_CONF that is set (even to an empty string)."""
+    names = ["PYTORCH_CUDA_ALLOC_CONF"]
+    if torch.version.hip is not None:
+        names.append("PYTORCH_HIP_ALLOC_CONF")
+    names.append("PYTORCH_ALLOC_CONF")
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None:
+            return value
+    return ""
 
 
 def split_options(conf: str) -> list[str]:

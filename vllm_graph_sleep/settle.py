@@ -77,6 +77,8 @@ class Settler:
             if stop.wait(max(0.0, start + delay - time.monotonic())):
                 return
             for device in devices:
+                if stop.is_set():  # a wake waits for this thread: no further probe
+                    return
                 began = time.perf_counter()
                 try:
                     self._probe(device)

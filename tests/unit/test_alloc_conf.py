@@ -11,8 +11,8 @@ from vllm_graph_sleep import alloc_conf
 def writes(monkeypatch):
     recorded = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", recorded.append)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
     return recorded
 
 
@@ -47,6 +47,21 @@ def test_generic_variable_is_read_and_an_empty_cuda_one_shadows_it(monkeypatch, 
     assert alloc_conf.expandable_segments_enabled(alloc_conf.user_alloc_conf())
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
     assert not alloc_conf.expandable_segments_enabled(alloc_conf.user_alloc_conf())
+
+
+@pytest.mark.parametrize("hip", [None, "6.4"])
+def test_the_hip_variable_is_read_on_rocm_only_between_the_two_others(monkeypatch, writes, hip):
+    """torch's order (c10/cuda/CUDAAllocatorConfig.h); torch.version.hip says ROCm."""
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setenv("PYTORCH_HIP_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    with alloc_conf.expandable_segments_off():
+        pass
+    assert writes == (
+        [] if hip is None else ["expandable_segments:False", "expandable_segments:True"]
+    )
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    assert alloc_conf.user_alloc_conf() == ""
 
 
 def test_setting_is_restored_when_the_body_raises(monkeypatch, writes):

@@ -307,6 +307,24 @@ def test_a_next_engine_capturing_on_the_same_stream_gets_workspaces_in_its_own_p
     assert driver.blas_releases == 2 * FIRST_CAPTURE + 2
 
 
+@pytest.mark.parametrize("kept_by", ["the switch", "a stream it cannot trust"])
+def test_shutdown_drops_graph_pool_workspaces_whatever_a_sleep_would_keep(kept_by):
+    """Review, 2026-12-06: a workspace a sleep keeps would outlive the graph
+    pool, and the next engine would capture with it."""
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver, release_blas_workspaces=kept_by != "the switch")
+    first = capture_stream_workspaces(driver, manager)
+    if kept_by != "the switch":
+        driver.outside_segments.append((0x5555000, 0x999, PAGE))  # eager memory elsewhere
+    manager.sleep(offload_tags=("cudagraph",))  # keeps them
+    assert first["blas"] in manager.allocations
+    manager.wake_up()
+    manager.release_pools()  # engine shutdown
+    assert first["blas"] not in manager.allocations  # freed with the dropped pool
+    second = capture_stream_workspaces(driver, manager)
+    assert second["blas"] != first["blas"] and second["blas"] in graph_pool_segments(manager)
+
+
 def test_a_next_engine_trusts_none_of_the_streams_an_earlier_one_trusted():
     """torch hands stream handles out again. Here the next engine's capture
     stream has the handle an earlier engine trusted, and a workspace made

@@ -293,6 +293,24 @@ def test_the_driver_pins_as_the_environment_says(monkeypatch, torch_pinned):
         _native.VmmDriver()
 
 
+def test_a_dropped_torch_pinned_buffer_has_torch_unpin_its_cache(monkeypatch, torch_pinned):
+    """Review, 2026-12-06: torch keeps a freed pinned block cached (pinned), so
+    with torch's buffers VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY=1 freed nothing."""
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(True))
+    monkeypatch.setattr(_native, "_load_extension", FakeExtension)
+    monkeypatch.setenv(HOST_BUFFERS_ENV, "torch")
+    driver = _native.VmmDriver()
+    kept = driver.host_buffer(PAGE)
+    dropped = driver.host_buffer(PAGE)
+    driver.release_dropped_host_buffers()
+    assert emptied == []  # nothing of ours dropped: torch's cache is left alone
+    del dropped
+    driver.release_dropped_host_buffers()
+    driver.release_dropped_host_buffers()
+    assert emptied == [True] and kept.numel() == PAGE
+
+
 KIB = 1 << 10
 
 

@@ -138,3 +138,19 @@ time.sleep(0.1)  # the probe is under way when the script ends
     del settler
     gc.collect()
     assert gone() is None
+
+
+def test_a_stop_during_a_probe_runs_no_probe_of_the_other_devices():
+    """Review, 2026-12-06: the wake waited for every remaining device's probe."""
+    probed, probing = [], threading.Event()
+
+    def probe(device):
+        probing.set()
+        time.sleep(0.2)
+        probed.append(device)
+
+    settler = Settler(probe, delays=(0.0, 5.0))
+    settler.start([0, 1, 2])
+    assert probing.wait(5)
+    settler.stop()
+    assert probed == [0]

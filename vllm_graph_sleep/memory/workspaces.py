@@ -203,10 +203,18 @@ class WorkspaceKeeper:
         outlive the pool, and a next engine capturing on the same pooled stream
         would use it from a segment nobody sleeps), forgets every stream's
         trust (torch hands the same stream handles out again) and lets the RNG
-        state holder go."""
+        state holder go. Whatever a sleep would keep (the switch off, a
+        stream it cannot trust): no graph of this engine replays any more."""
         if self._blocks:
-            outcome = self.release()
-            logger.debug("graph-sleep: at shutdown, %s", outcome)
+            try:
+                self._driver.release_blas_workspaces()
+            except Exception as error:
+                logger.warning(
+                    "graph-sleep: at shutdown, torch's cuBLAS workspaces could not be dropped "
+                    "(%s); a next engine capturing on the same stream may use one made in this "
+                    "engine's graph pool",
+                    error,
+                )
             self._blocks.clear()
         self._trusted_streams.clear()
         self._generator_state_holder = None
