@@ -489,7 +489,7 @@ class GraphSleepAllocator:
             settled = f"driver not probed while asleep (switched off: {SETTLE_AFTER_SLEEP_ENV})"
         else:
             settled = self._settler.stop()
-
+        clock.lap("settle thread stopped")  # it finishes a probe under way first
         targets = self.table.to_wake(requested)
         lowered = self._stack.lowered_devices()
         try:

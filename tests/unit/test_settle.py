@@ -154,3 +154,25 @@ def test_a_stop_during_a_probe_runs_no_probe_of_the_other_devices():
     assert probing.wait(5)
     settler.stop()
     assert probed == [0]
+
+
+def test_the_wake_times_the_probe_it_waited_for_as_its_own_lap(caplog):
+    """Review, 2026-12-06: it was counted under "stack limit"."""
+    import re
+
+    probing = threading.Event()
+
+    class SlowProbes(FakeVmmDriver):
+        def probe_mapping(self, device):
+            probing.set()
+            time.sleep(0.3)
+
+    driver = SlowProbes()
+    manager = GraphSleepAllocator(driver, settler=Settler(driver.probe_mapping, delays=(0.0,)))
+    allocate(driver, manager, "weights", 2 * MIB, value=7)
+    manager.sleep(offload_tags=("weights",))
+    assert probing.wait(5)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.wake_up()
+    laps = dict(re.findall(r"(settle thread stopped|stack limit) ([\d.]+) ms", caplog.text))
+    assert float(laps["settle thread stopped"]) >= 150 and float(laps["stack limit"]) < 100

@@ -114,12 +114,15 @@ def _sleeps_in_engine(
     }
 
 
-def _sleep_ms_by_level(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """The median sleep of each level, in ms, keyed by the level as text."""
-    return {
-        str(level): 1000 * _median([s["sleep_s"] for s in steps if s["level"] == level])
-        for level in sorted({s["level"] for s in steps})
-    }
+def _sleep_ms_by_level(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The median sleep of each level, in ms, keyed by the level as text; the
+    run's first sleep left out (it pins the host buffers: a row of its own)."""
+    later = steps[1:]
+    medians = {}
+    for level in sorted({s["level"] for s in steps}):
+        median = _median([s["sleep_s"] for s in later if s["level"] == level])
+        medians[str(level)] = None if median is None else 1000 * median
+    return medians
 
 
 def summarize(record: dict[str, Any]) -> dict[str, Any]:
@@ -135,13 +138,18 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     if "awake_used_bytes" in record:
         summary["awake_mib"] = _over(record["awake_used_bytes"], base)
     summary["tags_awake_mib"] = _tag_mib(record.get("awake_report"), "mapped")
-    asleep, freed, host, pinned, tags_asleep, ledgers = {}, {}, {}, {}, {}, {}
+    asleep, freed, mapped_back, host, pinned, tags_asleep, ledgers = {}, {}, {}, {}, {}, {}, {}
     asleep_ms = {}
     for level in sorted({s["level"] for s in steps}):
         mine = [s for s in steps if s["level"] == level]
         key = str(level)
         asleep[key] = _per_gpu_median([_over(s["asleep_used_bytes"], base) for s in mine])
-        freed[key] = _per_gpu_median(
+        if all("before_sleep_used_bytes" in s for s in mine):  # older files have no such figure
+            freed[key] = _per_gpu_median(
+                [_over(s["before_sleep_used_bytes"], s["asleep_used_bytes"]) for s in mine]
+            )
+        # Read at once after the wake, before any request grows torch's cache again.
+        mapped_back[key] = _per_gpu_median(
             [_over(s["awake_used_bytes"], s["asleep_used_bytes"]) for s in mine]
         )
         intervals = [s.get("asleep_s") for s in mine]
@@ -168,6 +176,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
     summary.update(
         asleep_mib=asleep,
         freed_mib=freed,
+        mapped_back_mib=mapped_back,
         tags_asleep_mib=tags_asleep,
         host_backup_mib=host,
         pinned_host_mib=pinned,
@@ -275,6 +284,8 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
         rows += per_gpu(f"asleep L{level}, over idle GPU (MiB)", "asleep_mib", level)
     for level in levels:
         rows += per_gpu(f"freed by L{level} sleep (MiB)", "freed_mib", level)
+    for level in levels:
+        rows += per_gpu(f"mapped back by the L{level} wake (MiB)", "mapped_back_mib", level)
     for tag in tags:
         rows += per_gpu(f"tag {tag}, awake (MiB)", "tags_awake_mib", tag)
     for level in levels:
@@ -282,9 +293,14 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
     for level in levels:
         rows += per_gpu(f"pinned host memory at L{level} (MiB)", "pinned_host_mib", level)
     rows += per_gpu("pinning in the first sleep (ms)", "first_sleep_pinning_ms")
-    rows += _sleep_rows(levels, "sleep L{} (ms)", "sleep_ms", "{:.0f}")
     rows += _sleep_rows(
-        levels, "sleep L{} in the engine, vLLM's log (ms)", "sleep_engine_ms", "{:.1f}"
+        levels, "sleep L{}, median after the first sleep (ms)", "sleep_ms", "{:.0f}"
+    )
+    rows += _sleep_rows(
+        levels,
+        "sleep L{} in the engine (vLLM's log), median after the first sleep (ms)",
+        "sleep_engine_ms",
+        "{:.1f}",
     )
     for level in levels:
         asleep = _get("asleep_before_wake_ms", level)

@@ -244,6 +244,9 @@ class Scenario:
     def _step(self, cycle: int, level: int, wake: str, reference: Completion) -> dict[str, Any]:
         client = self.client
         step: dict[str, Any] = {"cycle": cycle, "level": level, "wake": wake}
+        # What the sleep frees is measured from here: after the wake the last
+        # step's completions grew torch's cache and the sampler scratch again.
+        step["before_sleep_used_bytes"] = settle(self.memory)
         self._event("sleep", level=level)
         deep = self.name in CHECKPOINTED
         step["sleep_s"] = client.sleep(level, checkpoint=deep)

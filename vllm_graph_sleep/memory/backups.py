@@ -480,6 +480,8 @@ class Backups:
             # once the restore that holds them is gone.
             del restore
             self._driver.release_cached_memory()
+            if clock is not None:
+                clock.lap("restore's staging freed")
         return restored, fresh
 
     def map_and_restore(
