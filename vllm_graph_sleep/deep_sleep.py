@@ -68,8 +68,9 @@ class DeepWakeError(RuntimeError):
 
 
 class GpuMemory(Protocol):
-    def process_bytes(self, pid: int) -> dict[int, int]:
-        """NVML index -> device bytes `pid` uses there (GPUs where it has a context)."""
+    def process_bytes(self, pid: int) -> dict[int, int | None]:
+        """NVML index -> device bytes `pid` uses there (GPUs where it has a
+        context; None where NVML says the figure is not available)."""
         ...
 
     def free_bytes(self, device: int) -> int: ...
@@ -88,12 +89,14 @@ class NvmlMemory:
         count = self._nvml.nvmlDeviceGetCount()
         return [self._nvml.nvmlDeviceGetHandleByIndex(index) for index in range(count)]
 
-    def process_bytes(self, pid: int) -> dict[int, int]:
-        used = {}
+    def process_bytes(self, pid: int) -> dict[int, int | None]:
+        used: dict[int, int | None] = {}
         for index, handle in enumerate(self._handles()):
             for process in self._nvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if process.pid == pid:
-                    used[index] = int(process.usedGpuMemory or 0)
+                    # pynvml gives None for NVML_VALUE_NOT_AVAILABLE: unknown, not 0.
+                    bytes_used = process.usedGpuMemory
+                    used[index] = None if bytes_used is None else int(bytes_used)
         return used
 
     def free_bytes(self, device: int) -> int:
@@ -205,14 +208,15 @@ class DeepSleep:
         self._headroom = headroom
         self._lock = threading.Lock()
         self.checkpointed: Checkpointed | None = None
-        # Restored, but the driver's lock not yet lifted: a wake retries the unlock.
-        self.restored_locked: int | None = None
+        # Locked by us and not unlocked (the unlock after a restore, or after a
+        # refused checkpoint, failed): a wake retries the unlock.
+        self.locked_pid: int | None = None
 
     @property
     def holds_engine(self) -> bool:
-        """Whether the driver holds the engine: checkpointed, or restored and
-        still locked (its CUDA calls wait until a wake unlocks it)."""
-        return self.checkpointed is not None or self.restored_locked is not None
+        """Whether the driver holds the engine: checkpointed, or still locked
+        (its CUDA calls wait until a wake unlocks it)."""
+        return self.checkpointed is not None or self.locked_pid is not None
 
     @classmethod
     def load(cls) -> DeepSleep:
@@ -222,23 +226,35 @@ class DeepSleep:
     def missing_calls(self) -> list[str]:
         return list(self._driver.missing)
 
+    def held_on_one_gpu(self, pid: int) -> tuple[int, int]:
+        """(GPU, device bytes) `pid` holds, as NVML reports it; DeepSleepRefused
+        where a restore's room could not be known. Asked before the sleep too,
+        so that a refusal comes before anything is done."""
+        used = self._memory.process_bytes(pid)
+        if not used:
+            raise DeepSleepRefused(
+                f"NVML lists no GPU memory of pid {pid} (is NVML's pid namespace another "
+                "one?): the room a restore needs cannot be known, so nothing is checkpointed"
+            )
+        if len(used) != 1:
+            raise DeepSleepRefused(
+                f"pid {pid} holds a context on {len(used)} GPUs ({sorted(used)}); one is supported"
+            )
+        ((device, held),) = used.items()
+        if held is None:
+            raise DeepSleepRefused(
+                f"NVML does not report how much GPU memory pid {pid} uses (not available on "
+                "this system): the room a restore needs cannot be known, so nothing is "
+                "checkpointed"
+            )
+        return device, held
+
     def checkpoint(self, pid: int) -> Checkpointed:
         """Locks `pid` (its CUDA work in flight finishes) and checkpoints it."""
         with self._lock:
             if self.holds_engine:
                 raise DeepSleepError("the engine is already checkpointed: wake it first")
-            used = self._memory.process_bytes(pid)
-            if not used:
-                raise DeepSleepRefused(
-                    f"NVML lists no GPU memory of pid {pid} (is NVML's pid namespace another "
-                    "one?): the room a restore needs cannot be known, so nothing is checkpointed"
-                )
-            if len(used) != 1:
-                raise DeepSleepRefused(
-                    f"pid {pid} holds a context on {len(used)} GPUs ({sorted(used)}); "
-                    "one is supported"
-                )
-            ((device, held),) = used.items()
+            device, held = self.held_on_one_gpu(pid)
             started = time.perf_counter()
             try:
                 self._answering(pid)
@@ -249,10 +265,8 @@ class DeepSleep:
             try:
                 self._driver.checkpoint(pid)
             except Exception as error:
-                self._unlock_after(pid, error)
                 raise DeepSleepError(
-                    f"the driver would not checkpoint pid {pid}: {error}; it was unlocked and "
-                    "stays asleep as the sleep left it"
+                    f"the driver would not checkpoint pid {pid}: {error}; {self._unlock_after(pid)}"
                 ) from error
             done = time.perf_counter()
             self.checkpointed = Checkpointed(pid, device, held, locked - started, done - locked)
@@ -279,20 +293,30 @@ class DeepSleep:
                 raise
             self._driver.init()
 
-    def _unlock_after(self, pid: int, error: Exception) -> None:
+    def _unlock_after(self, pid: int) -> str:
+        """Unlocks `pid` after a refused checkpoint; says how that went. One
+        left locked is held (a wake retries the unlock)."""
         try:
             self._driver.unlock(pid)
-        except Exception as unlock_error:
-            error.add_note(f"unlocking pid {pid} afterwards failed too: {unlock_error}")
+        except Exception as error:
+            state = self._state(pid)
+            if state == "locked":
+                self.locked_pid = pid
+                return (
+                    f"unlocking it failed too ({error}): it stays locked, asleep as the sleep "
+                    f"left it{_RETRY_NOTE}"
+                )
+            return f"unlocking it failed ({error}); it is now {state}"
+        return "it was unlocked and stays asleep as the sleep left it"
 
     def restore(self) -> float:
         """Restores and unlocks the checkpointed process; seconds it took.
         Starts no restore without room for what the process held. A process
-        restored but not unlocked (that call failed) is unlocked again."""
+        left locked (an unlock that failed) is unlocked again."""
         with self._lock:
-            if self.restored_locked is not None:
+            if self.locked_pid is not None:
                 started = time.perf_counter()
-                self._unlock_restored(self.restored_locked)
+                self._unlock_held(self.locked_pid, "is still locked, and unlocking it failed")
                 return time.perf_counter() - started
             target = self.checkpointed
             if target is None:
@@ -317,16 +341,16 @@ class DeepSleep:
                 if state != "checkpointed":
                     self.checkpointed = None
                 if state == "locked":  # restored: the unlock is what is left
-                    self.restored_locked = target.pid
+                    self.locked_pid = target.pid
                 raise DeepWakeError(
                     f"the driver could not restore pid {target.pid}: {error} (it is now "
                     f"{state}){_RETRY_NOTE if self.holds_engine else ''}",
                     checkpointed=self.holds_engine,
                 ) from error
             self.checkpointed = None
-            self.restored_locked = target.pid
+            self.locked_pid = target.pid
             restored = time.perf_counter()
-            self._unlock_restored(target.pid)
+            self._unlock_held(target.pid, "was restored but not unlocked")
             done = time.perf_counter()
             logger.info(
                 "graph-sleep deep sleep: pid %d restored on GPU %d (%s free for %s); %.3f s "
@@ -341,15 +365,14 @@ class DeepSleep:
             )
             return done - started
 
-    def _unlock_restored(self, pid: int) -> None:
+    def _unlock_held(self, pid: int, failure: str) -> None:
         try:
             self._driver.unlock(pid)
         except Exception as error:
             raise DeepWakeError(
-                f"pid {pid} was restored but not unlocked: {error}{_RETRY_NOTE}",
-                checkpointed=True,
+                f"pid {pid} {failure}: {error}{_RETRY_NOTE}", checkpointed=True
             ) from error
-        self.restored_locked = None
+        self.locked_pid = None
 
     def _state(self, pid: int) -> str:
         try:
@@ -371,14 +394,18 @@ def sleep(llm: Any, level: int = 1, controller: DeepSleep | None = None) -> Chec
     refused. `controller`: the one to use (default: this LLM's, made now)."""
     if level not in (1, 2):
         raise DeepSleepRefused(f"deep sleep needs a sleep level of 1 or 2, not {level!r}")
-    controller, why = controller_for(llm.llm_engine, controller=controller or _controllers.get(llm))
+    current = _controllers.get(llm)
+    if current is not None and current.holds_engine:  # whichever controller is given
+        raise DeepSleepError("the engine is already checkpointed: wake_up first")
+    controller, why = controller_for(llm.llm_engine, controller=controller or current)
     if why is not None:
         raise DeepSleepRefused(f"deep sleep refused: {why}")
-    _controllers[llm] = controller
     if controller.holds_engine:
         raise DeepSleepError("the engine is already checkpointed: wake_up first")
-    llm.sleep(level=level)
+    _controllers[llm] = controller
     (pid,) = engine_core_pids(llm.llm_engine)
+    controller.held_on_one_gpu(pid)  # a refusal before the sleep: nothing done
+    llm.sleep(level=level)
     return controller.checkpoint(pid)
 
 

@@ -182,6 +182,12 @@ class DeepSleepEndpoints:
         self._controller, why = controller_for(
             state.engine_client, getattr(args, "api_server_count", None) or 1, self._controller
         )
+        (pid,) = engine_core_pids(state.engine_client) if why is None else (None,)
+        if why is None:
+            try:  # NVML's view of the engine, before anything is done
+                await asyncio.to_thread(self._controller.held_on_one_gpu, pid)
+            except DeepSleepRefused as error:
+                why = str(error)
         if why is not None:
             await _error(409, f"deep sleep refused: {why}")(scope, receive, send)
             return
@@ -191,7 +197,6 @@ class DeepSleepEndpoints:
             await inner.replay(send)  # vLLM's own answer: no sleep, no checkpoint
             return
         scope[ENGINE_SLEPT] = True  # for AsleepGate, whatever the checkpoint answers
-        (pid,) = engine_core_pids(state.engine_client)
         try:
             await asyncio.to_thread(self._controller.checkpoint, pid)
         except (DeepSleepError, DeepSleepRefused) as error:

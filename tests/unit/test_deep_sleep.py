@@ -457,6 +457,66 @@ def test_a_level_2_deep_sleep_whose_checkpoint_fails_still_holds_requests_for_th
     assert engine.added == []
 
 
+def test_a_refused_checkpoint_whose_unlock_fails_keeps_the_engine_held(engine_pid):
+    """Review, 2026-12-06: it said "unlocked" and let a wake reach a locked engine."""
+    lib = FakeLibcuda(
+        refuse={"cuCheckpointProcessCheckpoint": 801, "cuCheckpointProcessUnlock": 801}
+    )
+    deep, _ = controller(engine_pid, lib)
+    llm = FakeLLM(EngineWithCore(engine_pid))
+    with pytest.raises(DeepSleepError, match="stays locked") as raised:
+        deep_sleep.sleep(llm, level=1, controller=deep)
+    assert "it was unlocked" not in str(raised.value)
+    assert lib.states[engine_pid] == "locked" and deep_sleep.is_checkpointed(llm)
+    del lib.refuse["cuCheckpointProcessUnlock"]
+    deep_sleep.wake_up(llm)
+    assert lib.states[engine_pid] == "running" and not deep_sleep.is_checkpointed(llm)
+    assert llm.calls == [("sleep", 1), ("wake_up", None)]
+
+
+def test_nvml_without_the_processs_figure_is_refused_before_the_sleep(engine_pid):
+    """pynvml gives None for NVML_VALUE_NOT_AVAILABLE: the room a restore needs
+    is unknown, not 0 (review, 2026-12-06)."""
+    process = SimpleNamespace(pid=engine_pid, usedGpuMemory=None)
+    memory = object.__new__(deep_sleep.NvmlMemory)
+    memory._nvml = SimpleNamespace(
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetComputeRunningProcesses=lambda handle: [process],
+    )
+    assert memory.process_bytes(engine_pid) == {0: None}
+    lib = FakeLibcuda()
+    for used in ({0: None}, {}):
+        deep = DeepSleep(CheckpointDriver(lib), FakeMemory({engine_pid: used}, 10 << 30))
+        llm = FakeLLM(EngineWithCore(engine_pid))
+        with pytest.raises(DeepSleepRefused, match="cannot be known"):
+            deep_sleep.sleep(llm, level=1, controller=deep)
+        assert llm.calls == [] and lib.calls == []  # refused before anything was done
+
+
+def test_a_deep_sleep_nvml_cannot_measure_is_refused_over_http_before_the_sleep(
+    engine_pid, monkeypatch
+):
+    client, engine, deep, lib = http(engine_pid, monkeypatch)
+    deep._memory.used = {}
+    response = client.post("/sleep?level=1&checkpoint=1")
+    assert response.status_code == 409 and "cannot be known" in response.json()["error"]
+    assert engine.calls == [] and lib.calls == []
+
+
+def test_another_controller_cannot_take_an_engine_one_holds(engine_pid):
+    lib = FakeLibcuda()
+    first, _ = controller(engine_pid, lib)
+    llm = FakeLLM(EngineWithCore(engine_pid))
+    deep_sleep.sleep(llm, level=1, controller=first)
+    second, _ = controller(engine_pid, lib)
+    with pytest.raises(DeepSleepError, match="already checkpointed"):
+        deep_sleep.sleep(llm, level=1, controller=second)
+    assert deep_sleep.is_checkpointed(llm)
+    deep_sleep.wake_up(llm)
+    assert lib.states[engine_pid] == "running"
+
+
 # -- offline: vllm.LLM, and doctor ---------------------------------------------
 
 
