@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1779,3 +1781,78 @@ def test_freed_by_a_sleep_is_measured_before_it_and_the_wake_maps_back_apart():
     del steps[0]["before_sleep_used_bytes"]  # an older file: no such figure
     summary = report.summarize({"baseline_used_bytes": [0], "steps": steps})
     assert "1" not in summary["freed_mib"] and summary["mapped_back_mib"]["1"] == [800]
+
+
+# -- review, 2026-12-06: what an interrupted or misbehaving run leaves -------------
+
+
+def test_a_second_interrupt_while_a_server_stops_still_kills_it(tmp_path, monkeypatch):
+    """vLLM stuck in its teardown ignores SIGTERM; the user presses Ctrl-C again."""
+    from vllm_graph_sleep.bench.server import Server
+
+    ignores = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    server = Server("x", [sys.executable, "-c", ignores], dict(os.environ), tmp_path / "x.log")
+    server.start("http://127.0.0.1:1")
+    time.sleep(1.0)  # its handler is in place
+    wait = server.process.wait
+
+    def interrupted(timeout=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server.process, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.stop()
+    assert wait(timeout=10) == -signal.SIGKILL
+
+
+def test_an_interrupted_configuration_keeps_what_it_measured(fake_bench, monkeypatch, capsys):
+    from vllm_graph_sleep.bench import scenario
+
+    argv, out = fake_bench
+    step = scenario.Scenario._step
+
+    def interrupted_second_step(self, cycle, level, wake, reference):
+        if self.name == "stock_graphs" and len(self.record.get("steps", [])) == 1:
+            raise KeyboardInterrupt
+        return step(self, cycle, level, wake, reference)
+
+    monkeypatch.setattr(scenario.Scenario, "_step", interrupted_second_step)
+    assert cli.main([*argv, "--configs", "ours", "stock_graphs", "--no-floor"]) == 130
+    saved = json.loads((out / "results.json").read_text())
+    assert [c["config"] for c in saved["configs"]] == ["ours", "stock_graphs"]
+    interrupted = saved["configs"][1]
+    assert len(interrupted["steps"]) == 1 and interrupted["error"] == "KeyboardInterrupt"
+
+
+def _one_answer_server(answer: bytes) -> int:
+    """A port where one request gets `answer` as it is, then the connection closes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def serve():
+        connection, _ = listener.accept()
+        connection.recv(65536)
+        connection.sendall(answer)
+        connection.close()
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener.getsockname()[1]
+
+
+def test_an_answer_cut_short_is_a_server_error_in_one_line():
+    port = _one_answer_server(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"is_sl')
+    client = Client(f"http://127.0.0.1:{port}", "ours", lambda: "log", 5)
+    with pytest.raises(ServerError, match=r"GET /is_sleeping failed: IncompleteRead"):
+        client.is_sleeping()
+
+
+def test_a_completion_with_too_few_tokens_is_a_server_error_not_a_match():
+    """Token lists are compared after every wake: empty ones would be equal."""
+    body = json.dumps({"choices": [{"index": 0, "token_ids": [], "text": ""}]}).encode()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    client = Client(f"http://127.0.0.1:{_one_answer_server(answer)}", "ours", lambda: "log", 5)
+    client.model_id = "m"
+    with pytest.raises(ServerError, match=r"gave \[0\] tokens for 1 prompt\(s\), 4 each asked"):
+        client.complete(["a prompt"], 4)

@@ -9,6 +9,7 @@ names the call and the server log.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import time
 import urllib.error
@@ -86,8 +87,9 @@ class Client:
                 f"[{self.name}] {call} answered {error.code}: {detail}; {self._where()}",
                 status=error.code,
             ) from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as error:
-            reason = getattr(error, "reason", error)
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
+            # HTTPException: an answer cut short (IncompleteRead), a broken status line.
+            reason = getattr(error, "reason", None) or error
             raise ServerError(f"[{self.name}] {call} failed: {reason}; {self._where()}") from None
         if not raw:
             return None
@@ -123,6 +125,13 @@ class Client:
                 f"[{self.name}] /v1/completions answer lacks {error} (token ids need vLLM's "
                 f"return_token_ids); {self._where()}"
             ) from None
+        counts = [len(ids) for ids in token_ids]
+        if counts != [max_tokens] * len(prompts):
+            # Tokens are compared after every wake: too few would compare as equal.
+            raise ServerError(
+                f"[{self.name}] /v1/completions gave {counts} tokens for {len(prompts)} "
+                f"prompt(s), {max_tokens} each asked (ignore_eos); {self._where()}"
+            )
         usage = answer.get("usage") or {}
         return Completion(token_ids, texts, int(usage.get("completion_tokens", 0)), seconds)
 

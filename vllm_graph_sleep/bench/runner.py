@@ -29,7 +29,6 @@ from vllm_graph_sleep.bench.scenario import Scenario
 from vllm_graph_sleep.bench.server import (
     MULTIPROC_METHOD,
     Server,
-    ServerError,
     free_port,
     serve_command,
     server_env,
@@ -290,8 +289,8 @@ def run(
         scenario = Scenario(name, server, client, memory, settings, progress)
         try:
             record = scenario.run()
-        except ServerError as error:
-            scenario.record["error"] = str(error)
+        except BaseException as error:  # an interrupt too: what was measured is kept
+            scenario.record["error"] = str(error) or type(error).__name__
             results["configs"].append(scenario.record)
             save()
             raise

@@ -306,6 +306,11 @@ class Server:
                 process.wait(timeout=30)
             except ProcessLookupError:
                 pass
+            except BaseException:
+                # A second Ctrl-C or SIGTERM while it shuts down: nothing is
+                # left running for it.
+                self._kill_group(process.pid)
+                raise
         # Engine core and workers share the group; give them a moment, then kill.
         deadline = time.monotonic() + 15
         while self._group_alive(process.pid) and time.monotonic() < deadline:
