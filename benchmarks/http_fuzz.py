@@ -25,6 +25,7 @@ import collections
 import functools
 import json
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -33,6 +34,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from http.client import HTTPException
 from pathlib import Path
 
 from vllm_graph_sleep.bench.client import greedy_completion_body
@@ -139,12 +141,13 @@ class Fuzzer:
             answer = Answer(error.code, dict(error.headers), error.read())
         except TimeoutError:
             answer = Answer(None, error=f"no answer in {timeout or self.hung_s:g} s (hang)")
-        except (urllib.error.URLError, ConnectionError, OSError) as error:
-            reason = getattr(error, "reason", error)
+        except (urllib.error.URLError, HTTPException, OSError) as error:
+            # HTTPException: an answer cut short (IncompleteRead), a broken status line.
+            reason = getattr(error, "reason", None) or error
             if isinstance(reason, TimeoutError):
                 answer = Answer(None, error=f"no answer in {timeout or self.hung_s:g} s (hang)")
             else:
-                answer = Answer(None, error=f"connection failed: {reason}")
+                answer = Answer(None, error=f"connection failed: {reason!r}")
         answer.headers = {k.lower(): v for k, v in answer.headers.items()}
         answer.seconds = time.monotonic() - started
         return answer
@@ -233,9 +236,12 @@ class Fuzzer:
 
     def client(self, index: int, deadline: float) -> None:
         rng = random.Random(self.seed * 1000 + index)
-        while time.monotonic() < deadline:
-            request = self.random_request(rng)
-            self.record(request, self.send(request))
+        try:
+            while time.monotonic() < deadline:
+                request = self.random_request(rng)
+                self.record(request, self.send(request))
+        except Exception as error:  # a client that dies is a failure, not silence
+            self.failures.append({"action": f"client {index}", "problem": repr(error)})
 
     # -- the run -----------------------------------------------------------
 
@@ -265,6 +271,8 @@ class Fuzzer:
             self.failures.append(
                 {"action": "clients", "problem": f"{stuck} client(s) never returned"}
             )
+        if self.requests == 0:
+            self.failures.append({"action": "clients", "problem": "no request was made"})
         failures = self.failures + [{"action": "final", "problem": p} for p in final["problems"]]
         by_status = collections.Counter()
         for counts in self.by_action.values():
@@ -340,8 +348,16 @@ def start_server(args) -> tuple[object, str, str]:
     print(f"http_fuzz: starting vllm serve; its log: {log}", flush=True)
     server = Server("fuzz", command, env, log)
     server.start(f"http://127.0.0.1:{port}")
-    server.wait_healthy(timeout=900)
+    try:
+        server.wait_healthy(timeout=900)
+    except BaseException:  # a failed start, or Ctrl-C during the wait
+        server.stop()
+        raise
     return server, server.base_url, " ".join(command[2:])
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -362,17 +378,22 @@ def main(argv: list[str] | None = None) -> int:
     api_key = None if args.no_api_key else args.api_key
 
     server, base_url, command = None, args.base_url, None
-    if base_url is None:
-        server, base_url, command = start_server(args)
+    # SIGTERM (a job runner's limit) unwinds like Ctrl-C, so the server is stopped.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        if base_url is None:
+            server, base_url, command = start_server(args)
         fuzzer = Fuzzer(base_url, api_key, args.model_id or "", args.seed, args.hung_s)
         if not fuzzer.model_id:
             answer = fuzzer.send(Request("setup", "GET", "/v1/models", content_type=None))
             fuzzer.model_id = json.loads(answer.body)["data"][0]["id"]
         result = fuzzer.run(args.duration, args.clients)
     finally:
-        if server is not None:
-            server.stop()
+        try:
+            if server is not None:
+                server.stop()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     result["server"] = command or base_url
     if command is not None:
         result["asleep_wait_s"] = ASLEEP_WAIT_S

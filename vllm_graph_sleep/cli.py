@@ -301,11 +301,19 @@ def _plots_line(pngs: list[Path], missing: str | None) -> str:
 
 
 def bench_verdict(results: dict) -> int:
-    """The exit status of a finished run: EXIT_NOT_EXACT when tokens after a wake
-    differ from the reference, saying which of those servers also differed from
-    themselves before any sleep, where a difference neither shows nor rules out corruption."""
-    from vllm_graph_sleep.bench.report import not_exact, not_repeatable
+    """The exit status of a finished run: EXIT_FAILED when a server's
+    /is_sleeping contradicted a sleep or a wake; EXIT_NOT_EXACT when tokens
+    after a wake differ from the reference, saying which of those servers also
+    differed from themselves before any sleep, where a difference neither shows
+    nor rules out corruption."""
+    from vllm_graph_sleep.bench.report import not_exact, not_repeatable, not_told_asleep
 
+    contradicted = not_told_asleep(results)
+    if contradicted:
+        return _fail(
+            "/is_sleeping did not say asleep after every sleep and awake after every wake in: "
+            f"{', '.join(contradicted)} (results.json has each cycle's answers)"
+        )
     differ = not_exact(results)
     unrepeatable = not_repeatable(results)
     # Every wake of these gave the reference's tokens exactly: no sign of

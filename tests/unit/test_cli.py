@@ -1856,3 +1856,25 @@ def test_a_completion_with_too_few_tokens_is_a_server_error_not_a_match():
     client.model_id = "m"
     with pytest.raises(ServerError, match=r"gave \[0\] tokens for 1 prompt\(s\), 4 each asked"):
         client.complete(["a prompt"], 4)
+
+
+def test_a_sleep_that_did_nothing_fails_the_run_though_the_tokens_match(
+    fake_bench, monkeypatch, capsys
+):
+    """A server that answers /sleep 200 and keeps serving gives the reference's
+    tokens after every 'wake': /is_sleeping is what tells."""
+    argv, out = fake_bench
+    monkeypatch.setattr(Client, "sleep", lambda self, level, checkpoint=False: 0.01)
+    assert cli.main([*argv, "--configs", "ours", "--no-floor"]) == cli.EXIT_FAILED
+    assert "/is_sleeping did not say asleep after every sleep" in capsys.readouterr().err
+    steps = json.loads((out / "results.json").read_text())["configs"][0]["steps"]
+    assert all(s["bit_exact"] and s["is_sleeping_asleep"] is False for s in steps)
+
+
+def test_an_older_file_without_is_sleeping_answers_has_no_such_verdict(recorded):
+    for record in recorded["configs"]:
+        for step in record["steps"]:
+            step.pop("is_sleeping_asleep", None)
+            step.pop("is_sleeping_awake", None)
+    assert report.not_told_asleep(recorded) == []
+    assert all(s["told_asleep"] is None for s in report.summarize_all(recorded).values())

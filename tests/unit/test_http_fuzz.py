@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -93,3 +94,37 @@ def test_short_run_against_the_fake_server(fake_server, tmp_path):
     assert {f["action"] for f in result["failures"]} <= FAKE_GAPS
     assert code == (0 if result["passed"] else 1)
     assert result["failure_count"] == len(result["failures"]) or result["failure_count"] > 100
+
+
+def test_a_client_that_dies_is_a_failure_not_a_pass(fake_server, monkeypatch):
+    """Review, 2026-12-06: every client thread died and the run passed, 0 requests."""
+
+    def broken(self, rng):
+        raise RuntimeError("a bug in a request maker")
+
+    monkeypatch.setattr(fuzz.Fuzzer, "random_request", broken)
+    result = fuzz.Fuzzer(fake_server, None, "fake-model", 0, 5).run(0.5, 2)
+    problems = [f["problem"] for f in result["failures"]]
+    assert not result["passed"] and result["requests"] == 0
+    assert "no request was made" in problems
+    assert sum("a bug in a request maker" in p for p in problems) == 2
+
+
+def test_a_server_that_never_gets_healthy_is_stopped(monkeypatch, tmp_path):
+    """It was left running (its own session: Ctrl-C never reached it)."""
+    import torch
+
+    from vllm_graph_sleep.bench import server as bench_server
+
+    started: list[bench_server.Server] = []
+
+    def unhealthy(self, timeout, progress=None):
+        started.append(self)
+        raise bench_server.ServerError("not healthy")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_server.Server, "wait_healthy", unhealthy)
+    monkeypatch.setattr(bench_server, "serve_command", lambda *args, **kwargs: ["sleep", "60"])
+    with pytest.raises(bench_server.ServerError):
+        fuzz.start_server(SimpleNamespace(model=str(tmp_path), api_key=None))
+    assert started and started[0].process.poll() is not None

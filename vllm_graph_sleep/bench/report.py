@@ -197,6 +197,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             "after": _fastest_decode_tps(record.get("decode_after")),
         },
         exact=[sum(1 for s in steps if s.get("bit_exact")), len(steps)],
+        told_asleep=_told_asleep(steps),
         # None in files written before the bench took a second completion.
         repeats_before_sleep=(record.get("reference_repeat") or {}).get("bit_exact"),
     )
@@ -469,6 +470,27 @@ def format_table(results: dict[str, Any]) -> str:
     if ledger_lines:
         out += ["", *_aligned(header, ledger_lines), ledger_table.note(ledger_lines)]
     return "\n".join(out)
+
+
+def _told_asleep(steps: list[dict[str, Any]]) -> list[int] | None:
+    """[cycles whose /is_sleeping said asleep after the sleep and awake after
+    the wake, cycles asked]; None in files written before the bench asked."""
+    asked = [s for s in steps if "is_sleeping_asleep" in s and "is_sleeping_awake" in s]
+    if not asked:
+        return None
+    good = [s for s in asked if s["is_sleeping_asleep"] is True and s["is_sleeping_awake"] is False]
+    return [len(good), len(asked)]
+
+
+def not_told_asleep(results: dict[str, Any]) -> list[str]:
+    """Configurations with a cycle whose /is_sleeping contradicted the sleep or
+    the wake: a sleep that answered 200 and did nothing passes the token check."""
+    names = []
+    for name, summary in summarize_all(results).items():
+        told = summary.get("told_asleep")
+        if told is not None and told[0] != told[1]:
+            names.append(name)
+    return names
 
 
 def not_exact(results: dict[str, Any]) -> list[str]:
