@@ -145,10 +145,11 @@ def apply_nccl_policy(environ: MutableMapping[str, str] | None = None) -> str:
     registration pins the pool sleep tries to release and goes stale when wake
     remaps it (fzyzcjy/torch_memory_saver#88, sgl-project/sglang#40648).
     Defaults NCCL_GRAPH_REGISTER to "0"; an explicit value is kept, with a
-    warning unless it is "0". Returns the value in force."""
+    warning unless it is "0". An empty one counts as unset, as NCCL reads it
+    (its default, registration on). Returns the value in force."""
     environ = os.environ if environ is None else environ
     current = environ.get(NCCL_GRAPH_REGISTER)
-    if current is None:
+    if current is None or not current.strip():
         environ[NCCL_GRAPH_REGISTER] = "0"
         return "0"
     if current.strip() != "0":

@@ -10,12 +10,14 @@ passes a valid body on byte for byte.
 from __future__ import annotations
 
 import json
-import math
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 RPC_PATH = "/collective_rpc"
+
+
+MAX_TIMEOUT_S = 2**63
 
 
 def body_error(raw: bytes) -> str | None:
@@ -32,12 +34,14 @@ def body_error(raw: bytes) -> str | None:
         return f'"method" must be a non-empty string (a worker method name), not {method!r}'
     if not isinstance(body.get("args", []), list):
         return '"args" must be a list'
-    if not isinstance(body.get("kwargs", {}), dict):
+    kwargs = body.get("kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):  # vLLM's executors take null as {}
         return '"kwargs" must be an object'
     timeout = body.get("timeout")
     valid_timeout = isinstance(timeout, int | float) and not isinstance(timeout, bool)
-    if timeout is not None and not (valid_timeout and 0 < timeout < math.inf):
-        return f'"timeout" must be a number of seconds > 0, not {timeout!r}'
+    # vLLM's msgpack encoder refuses an int of 2**64 or more (after the request is queued).
+    if timeout is not None and not (valid_timeout and 0 < timeout < MAX_TIMEOUT_S):
+        return f'"timeout" must be a number of seconds > 0 and < 2**63, not {timeout!r}'
     return None
 
 

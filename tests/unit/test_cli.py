@@ -1615,6 +1615,14 @@ def test_doctor_keeps_an_explicit_nccl_value(capsys, monkeypatch, value, expecte
     assert os.environ["NCCL_GRAPH_REGISTER"] == value  # the doctor changes nothing
 
 
+def test_doctor_says_an_empty_nccl_value_is_replaced(capsys, monkeypatch):
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "")
+    code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
+    assert code == 0 and "0 (set by the plugin before NCCL starts" in line_of(
+        out, "NCCL_GRAPH_REGISTER"
+    )
+
+
 def test_doctor_reads_the_plugins_variables_as_the_worker_will(capsys, monkeypatch):
     code, out = run_doctor(capsys, "--platform", "cuda", *ACTIVE)
     assert code == 0 and "none of the plugin's variables set" in line_of(out, "environment")

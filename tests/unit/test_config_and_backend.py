@@ -90,6 +90,9 @@ def test_nccl_policy_defaults_to_zero_and_keeps_an_explicit_value(caplog):
         assert config.apply_nccl_policy(environ) == "1"
     assert environ == {"NCCL_GRAPH_REGISTER": "1"}
     assert "NCCL_GRAPH_REGISTER=1 is kept" in caplog.records[0].getMessage()
+    # NCCL reads an empty value as unset (its default: registration on).
+    environ = {"NCCL_GRAPH_REGISTER": " "}
+    assert config.apply_nccl_policy(environ) == "0" and environ == {"NCCL_GRAPH_REGISTER": "0"}
 
 
 class FakeWorker:
