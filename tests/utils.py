@@ -29,6 +29,14 @@ CHILD_TIMEOUT_S = TEST_TIMEOUT.read()
 CHILD_LOG = TEST_LOG.read()
 
 
+def _child_skip_reason(stdout: str) -> str | None:
+    """The reason of the skip in a child's -rs summary, or None if it ran."""
+    for line in stdout.splitlines():
+        if line.startswith("SKIPPED"):
+            return line.split(": ", 1)[-1]
+    return None
+
+
 def fresh_process(test):
     """Runs the test in a new Python process (a new CUDA context and a new
     allocator singleton), by re-running just this test id under pytest."""
@@ -40,7 +48,7 @@ def fresh_process(test):
         node_id = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
         # -s: the child's own logs go out first, so pytest's failure report
         # (assertion and traceback) ends the output and survives the tail below.
-        command = [sys.executable, "-m", "pytest", "-x", "-q", "-s", "--tb=short"]
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-s", "-rs", "--tb=short"]
         command += ["-p", "no:cacheprovider", node_id]
         env = {**os.environ, _CHILD_ENV: "1"}
         # A session of its own: a stopped child takes its engine processes along.
@@ -65,5 +73,8 @@ def fresh_process(test):
                 log.write(f"\n===== {node_id}: {failure or 'passed'}\n{stdout}\n{stderr}\n")
         if failure:
             pytest.fail(f"{node_id} {failure}:\n{stdout[-6000:]}\n{stderr[-3000:]}", pytrace=False)
+        skipped = _child_skip_reason(stdout)
+        if skipped is not None:  # a child that skipped exits 0: not a pass
+            pytest.skip(f"in its own process: {skipped}")
 
     return wrapper

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.utils import requires_gpu
+from tests.utils import cuda_only, requires_gpu
 from vllm_graph_sleep.testing import CYCLES, PROMPTS, model_dir
 
-pytestmark = [requires_gpu, pytest.mark.distributed(num_gpus=2)]
+# cuda_only: it measures both GPUs through NVML (bench.gpu.NvmlMemory).
+pytestmark = [requires_gpu, cuda_only, pytest.mark.distributed(num_gpus=2)]
 
 MAX_TOKENS = 24
 
