@@ -521,6 +521,7 @@ def render_bench_run(name: str, data: Json, charts: dict[str, str]) -> Section:
 #: The bench's charts of a run, drawn beside its JSON by `vllm-graph-sleep bench
 #: --report FILE.json` (vllm_graph_sleep/bench/charts.py): file suffix, alt text.
 BENCH_CHARTS = (
+    (".png", "GPU memory through the cycles"),
     (".asleep.png", "Asleep memory per configuration, with the floor"),
     (".wake.png", "Level-1 wake per configuration, full and staged"),
 )

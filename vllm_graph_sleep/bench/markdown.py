@@ -107,8 +107,6 @@ def run_lines(name: str, data: dict[str, Any]) -> list[str]:
             "",
             *table(["", *[code(c) for c in names]], ledger_lines),
         ]
-    plot = f"{Path(name).stem}.png"
-    lines += ["", f"![GPU memory through the cycles]({plot})"]
     return lines
 
 
