@@ -15,11 +15,12 @@
   middleware, holds them before they reach the engine, as in any sleep.
   Any other POST while checkpointed gets 409: what reaches the engine's GPU
   would wait on the driver's lock until the wake.
-- One transition at a time: a deep sleep (vLLM's sleep, then the checkpoint)
-  and every /wake_up run one after the other, and a /sleep or another POST
-  that arrives during one waits for it to end, then is judged by the state it
-  left (a wake sent during a checkpoint restores the engine it finds
-  checkpointed; a second deep sleep gets 409).
+- One transition at a time, once a deep sleep was asked of this server: a
+  deep sleep (vLLM's sleep, then the checkpoint) and every /wake_up run one
+  after the other, and a /sleep or another POST that arrives during one waits
+  for it to end, then is judged by the state it left (a wake sent during a
+  checkpoint restores the engine it finds checkpointed; a second deep sleep
+  gets 409). Before that, every request takes stock's path.
 - At the server's shutdown a checkpointed engine is restored first, so that
   vLLM stops an engine core that runs again.
 """
@@ -126,13 +127,6 @@ class DeepSleepEndpoints:
             return
         if self._transition is None:
             self._transition = asyncio.Lock()
-        if path == WAKE_UP_PATH:
-            async with self._transition:
-                if self.checkpointed:
-                    await self._deep_wake(scope, receive, send)
-                else:
-                    await self.app(scope, receive, send)
-            return
         deep = False
         if path == SLEEP_PATH:
             params = QueryParams(scope["query_string"])
@@ -140,6 +134,17 @@ class DeepSleepEndpoints:
             if error is not None:
                 await _error(400, error)(scope, receive, send)
                 return
+        if not deep and self._controller is None:
+            # No deep sleep was ever asked of this server: stock's path, no waiting.
+            await self.app(scope, receive, send)
+            return
+        if path == WAKE_UP_PATH:
+            async with self._transition:
+                if self.checkpointed:
+                    await self._deep_wake(scope, receive, send)
+                else:
+                    await self.app(scope, receive, send)
+            return
         if deep:
             async with self._transition:
                 if self.checkpointed:

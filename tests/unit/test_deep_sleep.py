@@ -415,6 +415,22 @@ def test_a_wake_sent_during_the_checkpoint_waits_for_it_then_restores(engine_pid
     ]
 
 
+def test_without_a_deep_sleep_nothing_waits_for_a_wake(engine_pid, monkeypatch):
+    """Stock's path until a deep sleep is asked: a slow wake holds no lock."""
+    import asyncio
+
+    async def slow_wake(tags=None):
+        await asyncio.sleep(0.5)
+
+    async def scenario(post, client):
+        return await asyncio.gather(post("/wake_up"), post("/sleep?level=1", delay=0.1))
+
+    monkeypatch.setattr(EngineServing, "wake_up", lambda self, tags=None: slow_wake(tags))
+    (wake, sleep), engine, lib = serve_async(engine_pid, monkeypatch, scenario)
+    assert wake.status_code == 200 and sleep.status_code == 200
+    assert sleep.seconds < 0.3 and lib.calls == []
+
+
 def test_a_second_deep_sleep_during_the_first_gets_409(engine_pid, monkeypatch):
     import asyncio
 
