@@ -187,8 +187,8 @@ class DeepSleepEndpoints:
         self._controller, why = controller_for(
             state.engine_client, getattr(args, "api_server_count", None) or 1, self._controller
         )
-        (pid,) = engine_core_pids(state.engine_client) if why is None else (None,)
         if why is None:
+            (pid,) = engine_core_pids(state.engine_client)
             try:  # NVML's view of the engine, before anything is done
                 await asyncio.to_thread(self._controller.held_on_one_gpu, pid)
             except DeepSleepRefused as error:

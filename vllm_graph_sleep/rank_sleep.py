@@ -12,7 +12,7 @@ by the node), and then
   reading the later ranks' replies, so every later call reads the reply meant
   for the call before it.
 
-So a worker answers a sleep it could not complete with a `RankSleepFailure`
+So a worker answers a sleep it could not complete with a `RankFailure`
 reply instead of raising (`sleep_rank`): every rank's reply is read.
 `sleep_every_rank` then wakes every rank back up (`wake_back`, which answers
 the same way) and raises `SleepError`: the engine is awake on every rank. If a
@@ -22,7 +22,7 @@ before the sleep) until `POST /wake_up` or `LLM.wake_up()`.
 
 A wake that fails on one rank (no room to map its memory back) raised there,
 so the executor read no later rank's reply either. A worker answers it with a
-`RankWakeFailure` (`wake_rank`); `wake_every_rank` reads every reply and
+`RankFailure` too (`wake_rank`); `wake_every_rank` reads every reply and
 raises `WakeUpError` naming the ranks: the executor keeps the engine recorded
 asleep with the tags it had, so that a retried wake reaches every rank again
 (a rank that woke has nothing left asleep, and its wake does nothing).
@@ -41,15 +41,8 @@ logger = logging.getLogger("vllm.graph_sleep")
 
 
 @dataclasses.dataclass(frozen=True)
-class RankSleepFailure:
-    """A worker's reply to a sleep it could not complete (it did not raise)."""
-
-    error: str
-
-
-@dataclasses.dataclass(frozen=True)
-class RankWakeFailure:
-    """A worker's reply to a wake it could not complete (it did not raise)."""
+class RankFailure:
+    """A worker's reply to a sleep or wake it could not complete (it did not raise)."""
 
     error: str
 
@@ -58,23 +51,23 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def sleep_rank(sleep: Callable[[], Any]) -> RankSleepFailure | None:
-    """Runs this rank's sleep; a failure is answered, not raised."""
+def _answered(call: Callable[[], Any], failed: str) -> Any:
+    """What `call` returns, or the RankFailure it raised (logged as `failed`)."""
     try:
-        sleep()
+        return call()
     except Exception as error:
-        logger.exception("graph-sleep: this rank could not sleep; every rank is woken back up")
-        return RankSleepFailure(_describe(error))
-    return None
+        logger.exception("graph-sleep: %s", failed)
+        return RankFailure(_describe(error))
+
+
+def sleep_rank(sleep: Callable[[], Any]) -> RankFailure | None:
+    """Runs this rank's sleep; a failure is answered, not raised."""
+    return _answered(sleep, "this rank could not sleep; every rank is woken back up")
 
 
 def wake_rank(wake: Callable[[], Any]) -> Any:
     """Runs this rank's wake; a failure is answered, not raised."""
-    try:
-        return wake()
-    except Exception as error:
-        logger.exception("graph-sleep: this rank could not wake; the engine stays asleep")
-        return RankWakeFailure(_describe(error))
+    return _answered(wake, "this rank could not wake; the engine stays asleep")
 
 
 def wake_back(worker: Any) -> str | None:
@@ -84,11 +77,16 @@ def wake_back(worker: Any) -> str | None:
     try:
         reply = worker.wake_up(None)
     except Exception as error:
-        reply = RankWakeFailure(_describe(error))
-    if isinstance(reply, RankWakeFailure):
+        reply = RankFailure(_describe(error))
+    if isinstance(reply, RankFailure):
         logger.error("graph-sleep: this rank could not be woken back up after a failed sleep")
         return reply.error
     return None
+
+
+def _rank_failures(replies: list[Any]) -> dict[int, str]:
+    """Rank -> error of every RankFailure among a collective call's replies."""
+    return _failures(replies, lambda reply: reply.error if isinstance(reply, RankFailure) else None)
 
 
 def _failures(replies: list[Any], failed: Callable[[Any], str | None]) -> dict[int, str]:
@@ -107,7 +105,7 @@ def sleep_every_rank(
     the engine asleep. Otherwise every rank is woken back up and SleepError is
     raised; a rank that cannot be woken back leaves the engine recorded asleep."""
     replies = collective_rpc("sleep", kwargs={"level": level})
-    failed = _failures(replies, lambda r: r.error if isinstance(r, RankSleepFailure) else None)
+    failed = _rank_failures(replies)
     if not failed:
         record_asleep()
         return
@@ -137,7 +135,7 @@ def wake_every_rank(collective_rpc: Callable[..., list[Any]], tags: list[str] | 
     """Sends "wake_up" to every rank and reads every reply; raises WakeUpError
     naming the ranks that could not wake (the caller then records nothing)."""
     replies = collective_rpc("wake_up", kwargs={"tags": tags})
-    failed = _failures(replies, lambda r: r.error if isinstance(r, RankWakeFailure) else None)
+    failed = _rank_failures(replies)
     if failed:
         raise WakeUpError(
             f"wake_up(tags={tags}) failed on {len(failed)} of {len(replies)} rank(s): "

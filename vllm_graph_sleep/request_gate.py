@@ -67,7 +67,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_graph_sleep import settings
 from vllm_graph_sleep.engine_watch import EngineWatch
-from vllm_graph_sleep.executor_sleep import ExecutorSleep, refused_before_the_engine
+from vllm_graph_sleep.executor_sleep import (
+    SCHEDULING_TAG,
+    ExecutorSleep,
+    refused_before_the_engine,
+)
+from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG
 from vllm_graph_sleep.settings import parse_yes_no
 
 #: The hold of the HTTP request being served (set by AsleepGate for the tasks
@@ -141,8 +146,7 @@ SLEEP_LEVELS = (0, 1, 2)
 # What EngineCore.pause_scheduler accepts (vllm/v1/engine/core.py); stock lets
 # any other value travel to the engine core before it fails there.
 SLEEP_MODES = ("abort", "keep", "wait")
-# "scheduling" is EngineCore's pseudo-tag that ends a level-0 pause.
-WAKE_UP_TAGS = ("weights", "kv_cache", "scheduling")
+WAKE_UP_TAGS = (WEIGHTS_TAG, KV_CACHE_TAG, SCHEDULING_TAG)
 
 
 def _listed(values: tuple) -> str:
