@@ -140,6 +140,12 @@ def warn_if_ineffective(gate: Gate) -> None:
         logger.warning("--sleep-mode-offload-cudagraph has no effect: %s", gate.reason)
 
 
+def nccl_value_unset(value: str | None) -> bool:
+    """Whether an NCCL variable's value leaves NCCL's default: unset or empty
+    (NCCL reads a value only when it is a non-empty string)."""
+    return value is None or not value.strip()
+
+
 def apply_nccl_policy(environ: MutableMapping[str, str] | None = None) -> str:
     """With graph offload on, NCCL must not register graph buffers: a
     registration pins the pool sleep tries to release and goes stale when wake
@@ -149,7 +155,7 @@ def apply_nccl_policy(environ: MutableMapping[str, str] | None = None) -> str:
     (its default, registration on). Returns the value in force."""
     environ = os.environ if environ is None else environ
     current = environ.get(NCCL_GRAPH_REGISTER)
-    if current is None or not current.strip():
+    if nccl_value_unset(current):
         environ[NCCL_GRAPH_REGISTER] = "0"
         return "0"
     if current.strip() != "0":

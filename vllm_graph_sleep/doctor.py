@@ -451,7 +451,7 @@ def nccl_graph_register(active: bool, environ: MutableMapping[str, str]) -> str:
         value = config.apply_nccl_policy(dict(environ))
     finally:
         policy_logger.disabled = disabled
-    if current is None or not current.strip():  # empty: NCCL's default, as if unset
+    if config.nccl_value_unset(current):
         return f"{value} (set by the plugin before NCCL starts: graph buffers are not registered)"
     if current.strip() == "0":
         return f"{value} (from your environment, as the plugin wants)"

@@ -482,25 +482,25 @@ def _told_asleep(steps: list[dict[str, Any]]) -> list[int] | None:
     return [len(good), len(asked)]
 
 
+def _short_of(results: dict[str, Any], key: str) -> list[str]:
+    """Configurations whose [good cycles, cycles] under `key` has a bad one
+    (None: the file has no such figure)."""
+    return [
+        name
+        for name, summary in summarize_all(results).items()
+        if (counted := summary.get(key)) is not None and counted[0] != counted[1]
+    ]
+
+
 def not_told_asleep(results: dict[str, Any]) -> list[str]:
     """Configurations with a cycle whose /is_sleeping contradicted the sleep or
     the wake: a sleep that answered 200 and did nothing passes the token check."""
-    names = []
-    for name, summary in summarize_all(results).items():
-        told = summary.get("told_asleep")
-        if told is not None and told[0] != told[1]:
-            names.append(name)
-    return names
+    return _short_of(results, "told_asleep")
 
 
 def not_exact(results: dict[str, Any]) -> list[str]:
     """Configurations with a cycle whose tokens differ from the reference."""
-    names = []
-    for name, summary in summarize_all(results).items():
-        good, total = summary["exact"]
-        if good != total:
-            names.append(name)
-    return names
+    return _short_of(results, "exact")
 
 
 def not_repeatable(results: dict[str, Any]) -> list[str]:
