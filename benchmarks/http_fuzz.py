@@ -34,10 +34,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from http.client import HTTPException
 from pathlib import Path
 
 from vllm_graph_sleep.bench.client import greedy_completion_body
+from vllm_graph_sleep.bench.server import TRANSPORT_ERRORS, transport_reason
 from vllm_graph_sleep.units import MiB
 
 PROMPTS = ["The quick brown fox", "Sleep mode lets a server"]
@@ -141,9 +141,8 @@ class Fuzzer:
             answer = Answer(error.code, dict(error.headers), error.read())
         except TimeoutError:
             answer = Answer(None, error=f"no answer in {timeout or self.hung_s:g} s (hang)")
-        except (urllib.error.URLError, HTTPException, OSError) as error:
-            # HTTPException: an answer cut short (IncompleteRead), a broken status line.
-            reason = getattr(error, "reason", None) or error
+        except TRANSPORT_ERRORS as error:
+            reason = transport_reason(error)
             if isinstance(reason, TimeoutError):
                 answer = Answer(None, error=f"no answer in {timeout or self.hung_s:g} s (hang)")
             else:

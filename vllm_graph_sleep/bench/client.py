@@ -9,7 +9,6 @@ names the call and the server log.
 from __future__ import annotations
 
 import dataclasses
-import http.client
 import json
 import time
 import urllib.error
@@ -18,7 +17,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vllm_graph_sleep.bench.server import ServerError
+from vllm_graph_sleep.bench.server import TRANSPORT_ERRORS, ServerError, transport_reason
 
 REPORT_METHOD = "graph_sleep_memory_report"
 
@@ -87,10 +86,10 @@ class Client:
                 f"[{self.name}] {call} answered {error.code}: {detail}; {self._where()}",
                 status=error.code,
             ) from None
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
-            # HTTPException: an answer cut short (IncompleteRead), a broken status line.
-            reason = getattr(error, "reason", None) or error
-            raise ServerError(f"[{self.name}] {call} failed: {reason}; {self._where()}") from None
+        except TRANSPORT_ERRORS as error:
+            raise ServerError(
+                f"[{self.name}] {call} failed: {transport_reason(error)}; {self._where()}"
+            ) from None
         if not raw:
             return None
         try:

@@ -9,6 +9,7 @@ left after the timeout.
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import signal
@@ -57,6 +58,17 @@ CONFIG_LABELS = {
     "stock_graphs": "stock, graphs",
     "stock_eager": "stock, eager",
 }
+
+
+#: How an HTTP call fails before any status arrives: no connection, a reset, a
+#: timeout (URLError, ConnectionError and TimeoutError are OSErrors), or an
+#: answer cut short (IncompleteRead) or with a broken status line (HTTPException).
+TRANSPORT_ERRORS = (http.client.HTTPException, OSError)
+
+
+def transport_reason(error: BaseException) -> object:
+    """What went wrong: the reason urllib wrapped (URLError.reason), else the error."""
+    return getattr(error, "reason", None) or error
 
 
 class ServerError(RuntimeError):
