@@ -930,6 +930,41 @@ def test_client_reset_prefix_cache(status, body, answer):
         server.server_close()
 
 
+def test_a_health_answer_without_a_valid_status_line_is_waited_past(tmp_path):
+    """A /health poll whose answer is no HTTP (a broken status line: an
+    HTTPException, not an OSError) is one more "not healthy yet", as a refused
+    connection is, not a traceback out of the bench."""
+    from vllm_graph_sleep.bench.server import Server
+
+    class Handler(BaseHTTPRequestHandler):
+        polls = 0
+
+        def do_GET(self):  # noqa: N802
+            Handler.polls += 1
+            if Handler.polls == 1:
+                self.wfile.write(b"not http at all\r\n\r\n")
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    server = Server("x", [sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "l")
+    server.start(f"http://127.0.0.1:{http.server_port}")
+    try:
+        assert server.wait_healthy(timeout=30) < 30
+        assert Handler.polls == 2
+    finally:
+        server.process.kill()
+        server.process.wait()
+        http.shutdown()
+        http.server_close()
+
+
 def test_engine_init_is_read_from_vllms_log_the_slowest_core_counts(tmp_path):
     from vllm_graph_sleep.bench.server import Server
 

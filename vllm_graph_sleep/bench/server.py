@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
@@ -275,7 +274,7 @@ class Server:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
                     if response.status == 200:
                         return time.monotonic() - started
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            except TRANSPORT_ERRORS:  # not up yet, or answering something else than HTTP
                 pass
             failure = self.startup_failure()
             if failure is not None:
