@@ -1,11 +1,14 @@
 """A weight reload or transfer leaves the garbage collector's heap frozen
-again, as vLLM leaves it after warm-up, while graph offload is on (CPU)."""
+again, as vLLM leaves it after warm-up, while graph offload is on; and the
+allocator's records, frozen with it, form no reference cycle that would keep
+a dropped backup alive (CPU)."""
 
 from __future__ import annotations
 
 import gc
 
 import pytest
+import torch
 
 from tests.unit.force_cpu_platform import force_cpu_platform
 
@@ -15,6 +18,9 @@ from vllm.v1.worker import gpu_worker  # noqa: E402
 
 from vllm_graph_sleep.patches import v1_worker_gpu_worker  # noqa: E402
 from vllm_graph_sleep.patches._wrap import is_wrapped  # noqa: E402
+
+MIB = 1 << 20
+SIZE = 2 * MIB  # the fake driver's granule
 
 
 class Node:
@@ -73,3 +79,52 @@ def test_both_are_wrapped_on_vllms_worker():
     v1_worker_gpu_worker.apply()
     for name in ("reload_weights", "finish_weight_update"):
         assert is_wrapped(getattr(gpu_worker.Worker, name)), name
+
+
+@pytest.mark.parametrize("coded", [False, True])
+def test_backup_records_form_no_reference_cycles(monkeypatch, coded):
+    # A refrozen heap holds the allocator's records of the backups made so far;
+    # one that a later sleep replaces is freed by its reference count alone, or
+    # never (with the host memory it holds) if it sat in a cycle.
+    from tests.unit.test_allocator_bookkeeping import allocate, make
+    from tests.unit.test_exponent_codec import bf16_weights
+    from tests.unit.triton_interpreter import interpret_codec
+    from vllm_graph_sleep import coded_backup
+
+    # The coder as test_coded_backups runs it: interpreted, small pieces, checked.
+    interpret_codec(monkeypatch, symbols_per_lane=128, lanes_per_program=4096)
+    monkeypatch.setattr(coded_backup, "PIECE_BYTES", MIB)
+    monkeypatch.setattr(coded_backup, "_proven", {torch.device("cpu")})
+    monkeypatch.setattr(coded_backup, "RECODE_MIN_BYTES", 0)  # changed pieces coded again
+    driver, manager = make(compress_backups=coded)
+    weights = [allocate(driver, manager, "weights", SIZE) for _ in range(3)]
+    for seed, address in enumerate(weights):
+        driver.memory[address].copy_(bf16_weights(SIZE // 2, seed=seed))
+    allocate(driver, manager, "kv_cache", SIZE, value=2)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for cycle in range(2):
+            manager.sleep(("weights",))
+            manager.wake_up()
+            # Changed: its pieces' records are replaced at the next sleep.
+            driver.memory[weights[cycle]].copy_(bf16_weights(SIZE // 2, seed=10 + cycle))
+            manager.sleep(("weights",))
+            manager.wake_up()
+            manager.sleep(())
+            manager.wake_up()
+        assert (manager.allocations[weights[2]].coded is not None) is coded
+        # Freed: its record, backup and host buffer go.
+        driver.free(weights[2])
+        manager.sleep(("weights",))
+        manager.wake_up()
+        gc.collect()
+        ours = [
+            type(obj).__qualname__
+            for obj in gc.garbage
+            if type(obj).__module__.startswith("vllm_graph_sleep") or isinstance(obj, torch.Tensor)
+        ]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert ours == []
