@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "earlier_pools": 3,
     "deep_sleep": 3,
     "deep_sleep_http": 3,
+    "model_buffers": 3,
     # 4: patches, and the plugin's entry point that applies them
     "patches": 4,
     "": 4,

@@ -1,0 +1,176 @@
+"""A level-2 sleep saves the model's buffers at once, and vLLM's own wake puts
+them back bit-exact (CPU: vLLM's real Worker.sleep and Worker.wake_up, with a
+stand-in sleep-mode backend and torch's device queries stubbed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.force_cpu_platform import force_cpu_platform
+
+force_cpu_platform()
+
+from vllm.v1.worker.gpu_worker import Worker  # noqa: E402
+
+from vllm_graph_sleep import config, model_buffers  # noqa: E402
+from vllm_graph_sleep.patches import v1_worker_gpu_worker  # noqa: E402
+
+
+class Model(torch.nn.Module):
+    """Buffers of every kind a model registers, and one of each odd shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.register_buffer("k_scale", torch.tensor(0.37))  # 0-dim, as vLLM's scales
+        self.register_buffer("cos_sin", torch.randn(7, 5, generator=generator).bfloat16())
+        self.register_buffer("mask", torch.rand(3, 4, generator=generator) > 0.5)
+        self.register_buffer("ids", torch.arange(12, dtype=torch.int64).reshape(3, 4).t())
+        self.register_buffer("fp8", torch.randn(9, generator=generator).to(torch.float8_e4m3fn))
+        self.register_buffer("freqs", torch.randn(6, generator=generator, dtype=torch.complex64))
+        self.register_buffer("empty", torch.empty(0, 3))
+        self.register_buffer("nan", torch.tensor([float("nan"), 1.0]).view(torch.int32).add(1))
+        self.register_buffer("sparse", torch.eye(3).to_sparse())
+        self.shared = torch.nn.Module()
+        self.shared.register_buffer("again", self.k_scale)  # one tensor, two names
+        self.calls = 0
+
+    def named_buffers(self, *args, **kwargs):
+        self.calls += 1
+        return super().named_buffers(*args, **kwargs)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    dense = tensor.to_dense() if tensor.layout != torch.strided else tensor
+    return dense.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _overwrite(model: torch.nn.Module, byte: int) -> None:
+    """Every byte of every dense buffer becomes `byte` (bools: `byte` odd)."""
+    for buffer in model.buffers():
+        if buffer.layout != torch.strided or not buffer.numel():
+            continue
+        if buffer.dtype == torch.bool:
+            buffer.fill_(bool(byte % 2))
+            continue
+        raw = torch.full((buffer.numel() * buffer.element_size(),), byte, dtype=torch.uint8)
+        buffer.copy_(raw.view(buffer.dtype).reshape(buffer.shape))
+
+
+def _assert_same(saved: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    buffers = dict(model.named_buffers())
+    assert list(saved) == list(buffers)
+    for name, buffer in buffers.items():
+        copy = saved[name]
+        assert copy.device.type == "cpu", name
+        assert (copy.dtype, copy.shape, copy.layout) == (buffer.dtype, buffer.shape, buffer.layout)
+        assert torch.equal(_bits(copy), _bits(buffer)), name
+
+
+def test_save_gives_what_vllms_per_buffer_copies_give():
+    model = Model()
+    saved = model_buffers.save(model)
+    expected = {name: buffer.cpu().clone() for name, buffer in model.named_buffers()}
+    _assert_same(saved, model)
+    _assert_same(expected, model)
+    # Copies, not views of the buffers: what a sleep loses stays saved.
+    _overwrite(model, 0xAB)
+    for name, copy in saved.items():
+        assert torch.equal(_bits(copy), _bits(expected[name])), name
+
+
+def test_hidden_shadows_named_buffers_only_inside():
+    model = Model()
+    names = [name for name, _ in model.named_buffers()]
+    assert len(names) == 9  # the shared tensor once, as vLLM's save sees it
+    with model_buffers.hidden(model):
+        assert list(model.named_buffers()) == []
+    assert [name for name, _ in model.named_buffers()] == names
+    assert "named_buffers" not in model.__dict__
+
+
+class _Backend:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[tuple[str, object]] = []
+
+    def suspend(self, level):
+        self.calls.append(("suspend", level))
+        if self.fail:
+            raise RuntimeError("cuMemUnmap failed: an illegal memory access was encountered")
+
+    def resume(self, tags):
+        self.calls.append(("resume", tags))
+
+
+class _Runner:
+    def __init__(self) -> None:
+        self.model = Model()
+
+    def get_draft_model(self):
+        return None
+
+    def post_kv_cache_wake_up(self):
+        pass
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    v1_worker_gpu_worker.apply()
+    monkeypatch.setattr(config, "_active_in_this_process", True)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda *args: (1 << 30, 2 << 30))
+    worker = object.__new__(Worker)
+    worker.model_runner = _Runner()
+    worker._sleep_mode_backend = _Backend()
+    worker._sleep_saved_buffers = {}
+    worker._sleep_rebuild_draft_metadata_buffers = False
+    return worker
+
+
+@pytest.mark.parametrize("as_keyword", [False, True])
+def test_a_level_2_sleep_saves_once_and_vllms_wake_restores_bit_exact(worker, as_keyword):
+    model = worker.model_runner.model
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    model.calls = 0
+    assert (worker.sleep(level=2) if as_keyword else worker.sleep(2)) is None
+    # Ours read the buffers once; vLLM's comprehension found none to copy.
+    assert model.calls == 1
+    assert worker._sleep_mode_backend.calls == [("suspend", 2)]
+    _assert_same(worker._sleep_saved_buffers, model)
+    _overwrite(model, 0x5A)  # what a level-2 sleep and a reload leave there
+    worker.wake_up(None)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(_bits(buffer), _bits(before[name])), name
+    assert worker._sleep_saved_buffers == {}
+
+
+def test_a_level_1_sleep_saves_nothing(worker):
+    worker.model_runner.model.calls = 0
+    worker.sleep(1)
+    assert worker._sleep_saved_buffers == {}
+    assert worker.model_runner.model.calls == 0
+
+
+def test_a_failed_level_2_sleep_keeps_the_saved_buffers_as_vllm_does(worker):
+    worker._sleep_mode_backend = _Backend(fail=True)
+    model = worker.model_runner.model
+    reply = worker.sleep(2)  # answered, not raised (rank_sleep)
+    assert "illegal memory access" in reply.error
+    _assert_same(worker._sleep_saved_buffers, model)
+    assert "named_buffers" not in model.__dict__
+
+
+def test_without_pinned_memory_the_buffers_are_saved_all_the_same(monkeypatch):
+    real_empty = torch.empty
+
+    def pinning_fails(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", pinning_fails)
+    model = Model()
+    _assert_same(model_buffers.save(model), model)
