@@ -337,6 +337,76 @@ def test_the_sleeps_vllm_logged_are_read_from_its_log_in_order(tmp_path):
     assert server.sleeps_in_engine() == [0.09983, 0.013835]
 
 
+def _allocator_line(seconds: float, rank: str = "EngineCore pid=1") -> str:
+    # As GraphSleepAllocator.sleep logs it (an H100 8B run's, shortened).
+    return (
+        f"({rank}) INFO 12-06 17:35:48 [allocator.py:476] graph-sleep sleep: backed up "
+        "cudagraph 0 B, runtime 2.00 MiB, weights 13.07 GiB (copied 9.00 MiB, kept 13.07 GiB "
+        "unchanged); dropped kv_cache 9.62 GiB; stack limit per thread device 0 1024 -> 0 B; "
+        f"cuBLAS workspaces released; {seconds:.3f} s (graph pool claimed 0.1 ms, "
+        "waiting for the kv_cache's release on its thread (32 allocations, 10.3 ms there) 0.0 ms)\n"
+    )
+
+
+def _engine_line(seconds: float) -> str:
+    return (
+        "(EngineCore pid=1) INFO 12-06 17:35:49 [v1_executor_abstract.py:52] "
+        f"It took {seconds:.6f} seconds to fall asleep.\n"
+    )
+
+
+def test_the_allocators_part_of_each_sleep_is_read_from_the_log(tmp_path):
+    from vllm_graph_sleep.bench.server import Server
+
+    log = tmp_path / "server.log"
+    server = Server("x", ["true"], {}, log)
+    assert server.sleeps_in_allocator() == []  # no log yet
+    log.write_text(
+        _allocator_line(3.300)
+        + _engine_line(3.303521)
+        # Two ranks: the slower one's is the sleep's.
+        + _allocator_line(0.028, "Worker_TP0 pid=3")
+        + _allocator_line(0.031, "Worker_TP1 pid=4")
+        + _engine_line(0.033912)
+    )
+    assert server.sleeps_in_allocator() == [3.3, 0.031]
+    # Stock logs no line of ours: nothing, rather than figures of the wrong sleeps.
+    log.write_text(_engine_line(0.2838) + _engine_line(0.0361))
+    assert server.sleeps_in_allocator() == []
+
+
+def test_a_sleeps_time_is_split_into_the_allocators_and_the_rest():
+    levels = [1, 1, 2, 2, 1, 1, 2, 2]
+    steps = [{"level": lv, "sleep_s": 1.0, "wake": "full", "wake_s": 0.1} for lv in levels]
+    engine = [3.3035, 0.0339, 0.0346, 0.0441, 0.0672, 0.0616, 0.0268, 0.0355]
+    allocator = [3.300, 0.032, 0.028, 0.034, 0.065, 0.060, 0.021, 0.027]
+    summary = report._sleeps_in_allocator(steps, engine, allocator)
+    # Medians after the first sleep: L1 of 32, 65, 60; L2 of 28, 34, 21, 27.
+    assert summary["sleep_allocator_ms"]["1"] == pytest.approx(60)
+    assert summary["sleep_allocator_ms"]["2"] == pytest.approx(27.5)
+    assert summary["sleep_outside_allocator_ms"]["1"] == pytest.approx(1.9)
+    assert summary["sleep_outside_allocator_ms"]["2"] == pytest.approx(7.55)
+    assert report._sleeps_in_allocator(steps, engine, allocator[:-1]) == {}
+    assert report._sleeps_in_allocator(steps, engine, []) == {}
+    assert report._sleeps_in_allocator(steps, None, allocator) == {}
+
+
+def test_the_table_shows_the_allocators_part_for_ours_only(recorded):
+    ours = next(c for c in recorded["configs"] if c["config"] == "ours")
+    steps = ours["steps"]
+    ours["sleeps_in_engine_s"] = [0.030 + 0.001 * i for i in range(len(steps))]
+    ours["sleeps_in_allocator_s"] = [0.025 + 0.001 * i for i in range(len(steps))]
+    table = report.format_table(recorded)
+    row = next(line for line in table.splitlines() if line.startswith("sleep L1 outside our"))
+    cells = row.split("  ")
+    assert "5.0" in row and cells[-1].strip() == "-"  # stock: no line of ours
+    assert "sleep L1 in our allocator (its log line)" in table
+    # Files recorded before carry no such figure, and show no such row.
+    for record in recorded["configs"]:
+        record.pop("sleeps_in_allocator_s", None)
+    assert "in our allocator" not in report.format_table(recorded)
+
+
 def test_table_of_recorded_data(recorded):
     table = report.format_table(recorded)
     lines = table.splitlines()

@@ -114,6 +114,26 @@ def _sleeps_in_engine(
     }
 
 
+def _sleeps_in_allocator(
+    steps: list[dict[str, Any]], engine: list[float] | None, allocator: list[float] | None
+) -> dict[str, dict[str, float | None]]:
+    """Of each sleep vLLM logged, the part in our allocator's sleep (its log
+    line, the slowest rank) and the rest (vLLM's worker and executor, and our
+    backend around the allocator), per level as `_sleep_ms_by_level` takes
+    them: issue 38 looks for a sleep's time there. Nothing without a line of
+    ours per step (stock, older files)."""
+    if not engine or not allocator or not len(engine) == len(allocator) == len(steps):
+        return {}
+    inside = [{**step, "sleep_s": a} for step, a in zip(steps, allocator, strict=True)]
+    outside = [
+        {**step, "sleep_s": e - a} for step, e, a in zip(steps, engine, allocator, strict=True)
+    ]
+    return {
+        "sleep_allocator_ms": _sleep_ms_by_level(inside),
+        "sleep_outside_allocator_ms": _sleep_ms_by_level(outside),
+    }
+
+
 def _sleep_ms_by_level(steps: list[dict[str, Any]]) -> dict[str, float | None]:
     """The median sleep of each level, in ms, keyed by the level as text; the
     run's first sleep left out (it pins the host buffers: a row of its own)."""
@@ -172,6 +192,11 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         wake_ms[f"{level} {wake}"] = 1000 * _median([s["wake_s"] for s in mine])
     reloads = [s["reload_s"] for s in steps if s.get("reload_s")]
     summary.update(_sleeps_in_engine(steps, record.get("sleeps_in_engine_s")))
+    summary.update(
+        _sleeps_in_allocator(
+            steps, record.get("sleeps_in_engine_s"), record.get("sleeps_in_allocator_s")
+        )
+    )
     summary["first_sleep_pinning_ms"] = _first_sleep_pinning_ms(record)
     summary.update(
         asleep_mib=asleep,
@@ -303,6 +328,13 @@ def _rows(summaries: dict[str, dict[str, Any]]) -> list[tuple[str, Getter, str]]
         "sleep_engine_ms",
         "{:.1f}",
     )
+    for level in levels:
+        for label, key in (
+            ("in our allocator (its log line)", "sleep_allocator_ms"),
+            ("outside our allocator (vLLM's figure less it)", "sleep_outside_allocator_ms"),
+        ):
+            row = f"sleep L{level} {label}, median after the first sleep (ms)"
+            rows.append((row, _get(key, level), "{:.1f}"))
     for level in levels:
         asleep = _get("asleep_before_wake_ms", level)
         rows.append((f"asleep before the wake, L{level} (ms)", asleep, "{:.0f}"))

@@ -157,6 +157,7 @@ class Scenario:
             record["server_exit_code"] = code
             # Read once the server has stopped: every line it logged is in the file.
             record["sleeps_in_engine_s"] = self.server.sleeps_in_engine()
+            record["sleeps_in_allocator_s"] = self.server.sleeps_in_allocator()
             record["samples"] = sampler.as_dict()
             record["events"] = self.events
             record["after_stop_used_bytes"] = wait_released(

@@ -176,6 +176,9 @@ ENGINE_INIT_LINE = re.compile(
 #: sleep's time on the engine's side, without the HTTP and engine-core round trip
 #: around it, which stock and ours pay alike.
 SLEEP_LINE = re.compile(r"It took ([\d.]+) seconds to fall asleep\.")
+#: What our allocator logs at the end of each sleep, on each rank
+#: (GraphSleepAllocator.sleep): its own seconds, before the phases in brackets.
+ALLOCATOR_SLEEP_LINE = re.compile(r"graph-sleep sleep: .*; ([\d.]+) s \(")
 
 
 class Server:
@@ -246,6 +249,28 @@ class Server:
         except OSError:
             return []
         return [float(seconds) for seconds in SLEEP_LINE.findall(text)]
+
+    def sleeps_in_allocator(self) -> list[float]:
+        """For each sleep vLLM logged, the seconds our allocator's sleep took
+        (the slowest rank's, from the lines logged since the sleep before),
+        in order; empty without a log or where a sleep has no line of ours
+        (stock)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        sleeps: list[float] = []
+        ranks: list[float] = []
+        for line in text.splitlines():
+            ours = ALLOCATOR_SLEEP_LINE.search(line)
+            if ours is not None:
+                ranks.append(float(ours.group(1)))
+            elif SLEEP_LINE.search(line) is not None:
+                if not ranks:
+                    return []
+                sleeps.append(max(ranks))
+                ranks = []
+        return sleeps
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
