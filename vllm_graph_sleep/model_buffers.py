@@ -30,27 +30,24 @@ def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     those of strided buffers are views into one staging buffer (pinned where
     CUDA is), copied into it asynchronously and waited for before returning."""
     buffers = list(model.named_buffers())
-    staged = [(name, buffer) for name, buffer in buffers if buffer.layout == torch.strided]
-    offsets, total = [], 0
-    for _, buffer in staged:
-        offsets.append(total)
-        total += -(-buffer.numel() * buffer.element_size() // _ALIGNMENT) * _ALIGNMENT
+    placed, total = [], 0  # (name, buffer, offset, bytes) of the strided ones
+    for name, buffer in buffers:
+        if buffer.layout == torch.strided:
+            size = buffer.numel() * buffer.element_size()
+            placed.append((name, buffer, total, size))
+            total += -(-size // _ALIGNMENT) * _ALIGNMENT
     staging = _staging_buffer(total)
     saved: dict[str, torch.Tensor] = {}
-    devices = set()
-    for (name, buffer), offset in zip(staged, offsets, strict=True):
-        size = buffer.numel() * buffer.element_size()
+    for name, buffer, offset, size in placed:
         target = staging[offset : offset + size]
         target.copy_(buffer.detach().reshape(-1).view(torch.uint8), non_blocking=True)
         saved[name] = target.view(buffer.dtype).reshape(buffer.shape)
-        devices.add(buffer.device)
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    for name, buffer in buffers:
-        if name not in saved:  # sparse and other layouts: as vLLM copies them
-            saved[name] = buffer.cpu().clone()
-    return {name: saved[name] for name, _ in buffers}
+    for device in {buffer.device for _, buffer, _, _ in placed if buffer.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
+    # Sparse and other layouts: as vLLM copies them.
+    return {
+        name: saved[name] if name in saved else buffer.cpu().clone() for name, buffer in buffers
+    }
 
 
 def _staging_buffer(size: int) -> torch.Tensor:
