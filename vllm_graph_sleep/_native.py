@@ -198,13 +198,11 @@ class VmmDriver:
     def device_bytes(self, device: int, address: int, size: int) -> torch.Tensor:
         return torch.as_tensor(_DeviceRange(address, size), device=torch.device("cuda", device))
 
-    def fingerprint(
-        self, ranges: list[torch.Tensor], out: torch.Tensor, table_room: torch.Tensor | None = None
-    ) -> None:
+    def fingerprint(self, ranges: list[torch.Tensor], out: torch.Tensor) -> None:
         # Imported here: it brings Triton, which only a sleep that keeps backups needs.
         from vllm_graph_sleep.memory import fingerprint_kernel
 
-        fingerprint_kernel.fingerprint(ranges, out, table_room)
+        fingerprint_kernel.fingerprint(ranges, out)
 
     def host_buffer(self, size: int) -> torch.Tensor:
         return self._host_buffers.make(size)

@@ -62,7 +62,6 @@ from vllm_graph_sleep.memory.backups import (
     resolve_keeping,
 )
 from vllm_graph_sleep.memory.driver import DeviceDriver, MemoryPool
-from vllm_graph_sleep.memory.fingerprint_room import FingerprintRoom
 from vllm_graph_sleep.memory.records import (
     BUILTIN_TAGS,
     DEFAULT_TAG,
@@ -138,21 +137,14 @@ class SleepError(RuntimeError):
 RESUME_HINT = "vLLM keeps scheduling paused until POST /wake_up (LLM.wake_up() offline)"
 
 
-def _release_cached_memory(
-    driver: DeviceDriver, clock: PhaseClock, backups: Backups, to_back_up: list[Allocation]
-) -> FingerprintRoom:
+def _release_cached_memory(driver: DeviceDriver, clock: PhaseClock) -> None:
     """A sleep's first release: what garbage cycles hold, then what torch
     caches (segments of dropped pools and of the workspaces): nothing to back
-    up there. A lap each (issue 38: the pair grew over the cycles on the 8B).
-    Returns the device memory for the fingerprints of `to_back_up`, reserved
-    in between (Backups.reserve_fingerprint_room says why)."""
+    up there. A lap each (issue 38: the pair grew over the cycles on the 8B)."""
     driver.collect_garbage()
     clock.lap("garbage")
-    room = backups.reserve_fingerprint_room(to_back_up)
-    clock.lap("fingerprints' room")
     driver.release_cached_memory()
     clock.lap("torch's cache")
-    return room
 
 
 class GraphSleepAllocator:
@@ -424,8 +416,7 @@ class GraphSleepAllocator:
         clock.lap("graph pool claimed")
         workspaces = self._workspaces.release()
         clock.lap("cuBLAS workspaces")
-        candidates = [allocation for allocation in self.table.live() if allocation.tag in offload]
-        room = _release_cached_memory(self._driver, clock, self._backups, candidates)
+        _release_cached_memory(self._driver, clock)
         awake = [allocation for allocation in self.table.live() if allocation.mapped]
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
@@ -436,7 +427,7 @@ class GraphSleepAllocator:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
-            self._last_backup = self._backups.back_up(to_back_up, live, clock, early.start, room)
+            self._last_backup = self._backups.back_up(to_back_up, live, clock, early.start)
         except Exception as error:
             # Copies already queued must not outlive the call: a later sleep that
             # drops these allocations, or shutdown, lets their buffers go (and a

@@ -80,7 +80,6 @@ class FakeVmmDriver:
         # ("fingerprinted", bytes), ("synchronized", device), ("unmapped", address), in order
         self.timeline: list[tuple[str, int]] = []
         self.fingerprinted_bytes = 0
-        self.fingerprint_memory: list[tuple[int, int | None, int]] = []
         self.routing: list[FakePool] = []  # pools allocations go to, as torch sees it
         # Weak: a log must not keep a dropped pool alive.
         self.routing_log: list[tuple[str, weakref.ref]] = []
@@ -160,22 +159,8 @@ class FakeVmmDriver:
             raise RuntimeError(f"illegal memory access at {address:#x}")
         return self.memory[address]
 
-    def fingerprint(
-        self, ranges: list[torch.Tensor], out: torch.Tensor, table_room: torch.Tensor | None = None
-    ) -> None:
+    def fingerprint(self, ranges: list[torch.Tensor], out: torch.Tensor) -> None:
         self._maybe_fail("fingerprint", "CUDA error: an illegal memory access was encountered")
-        if table_room is not None and (
-            table_room.shape != (out.shape[0], 2) or table_room.dtype != torch.int64
-        ):
-            raise ValueError(f"table_room must be int64 [{out.shape[0]}, 2]")
-        # (out's address, table_room's or None, empty_cache calls so far) per call.
-        self.fingerprint_memory.append(
-            (
-                out.data_ptr(),
-                None if table_room is None else table_room.data_ptr(),
-                self.cache_calls.count("empty"),
-            )
-        )
         out.copy_(torch.cat([fingerprint_reference.fingerprints(data) for data in ranges]))
         self.fingerprinted_bytes += sum(data.numel() for data in ranges)
         self.timeline.append(("fingerprinted", sum(data.numel() for data in ranges)))

@@ -406,8 +406,7 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
     ms = r"\d+\.\d ms"
     assert re.search(
         rf"\d\.\d{{3}} s \(freed allocations' host buffers {ms}, graph pool claimed {ms}, "
-        rf"cuBLAS workspaces {ms}, garbage {ms}, fingerprints' room {ms}, torch's cache {ms}, "
-        rf"backup of 2 allocations: "
+        rf"cuBLAS workspaces {ms}, garbage {ms}, torch's cache {ms}, backup of 2 allocations: "
         rf"waiting for the device {ms}, host buffers {ms}, fingerprints queued {ms}, "
         rf"fingerprints {ms}, plan and raw copies queued {ms}, copies {ms}, backup's scratch "
         rf"freed {ms}, release \(3 allocations\) {ms}, stack limit {ms}, "

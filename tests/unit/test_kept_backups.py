@@ -9,7 +9,6 @@ sleep copy all."""
 from __future__ import annotations
 
 import logging
-import weakref
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ import torch
 from tests.unit.fake_vmm import PAGE, FakeVmmDriver
 from tests.unit.test_allocator_bookkeeping import allocate, make
 from vllm_graph_sleep.allocator import GraphSleepAllocator, SleepError
-from vllm_graph_sleep.memory.backups import Backups
 from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES
 
 MIB = 1 << 20
@@ -299,71 +297,3 @@ def test_changed_spans_are_the_blocks_whose_fingerprints_differ():
     ]
     assert _changed_spans(None, now, pairs) is None
     assert _changed_spans(then[:4], now, pairs) is None
-
-
-def test_the_fingerprints_go_into_memory_taken_before_the_sleep_empties_torchs_cache(
-    layers, monkeypatch
-):
-    """Leases 13 and 14 (docs/results/sleep-speed-h100.md): with the
-    fingerprints' device memory taken after a sleep's first empty_cache, the
-    block table's host-side build stalled for 12-37 ms on the 8B. Each sleep
-    that backs up takes its room before that release (sized from what it
-    backs up: the sizes at the first sleep, the last fingerprints later),
-    puts the fingerprints and their block table there, and lets it go
-    before the release that ends the backup; a level-2 sleep takes none."""
-    driver, manager, addresses = layers
-    rooms = []  # per reserve: empty_cache calls before it, {device: (address, words, ref)}
-    reserve = Backups.reserve_fingerprint_room
-
-    def spy(self, allocations):
-        room = reserve(self, allocations)
-        taken = {d: (t.data_ptr(), t.numel(), weakref.ref(t)) for d, t in room.items()}
-        rooms.append((driver.cache_calls.count("empty"), taken))
-        return room
-
-    monkeypatch.setattr(Backups, "reserve_fingerprint_room", spy)
-    room_alive = []  # per empty_cache: whether the newest room is still held
-    release = driver.release_cached_memory
-
-    def recording_release():
-        room_alive.append(any(ref() is not None for _, _, ref in rooms[-1][1].values()))
-        release()
-
-    monkeypatch.setattr(driver, "release_cached_memory", recording_release)
-    blocks = 4 * LAYER // BLOCK_BYTES
-    for cycle in range(3):
-        empties, calls = driver.cache_calls.count("empty"), len(driver.fingerprint_memory)
-        manager.sleep(offload_tags=("weights",))
-        taken_at, taken = rooms[-1]
-        assert taken_at == empties, cycle
-        ((address, words, _),) = taken.values()
-        assert words == 4 * blocks  # two lanes and a table row per block
-        (fingerprinted,) = driver.fingerprint_memory[calls:]
-        assert fingerprinted == (address, address + 2 * blocks * 8, empties + 1), cycle
-        assert room_alive[empties] and not room_alive[-1], (cycle, room_alive[empties:])
-        manager.wake_up()
-    manager.sleep(offload_tags=())
-    assert rooms[-1][1] == {}
-    manager.wake_up()
-
-
-def test_a_room_too_small_for_the_fingerprints_leaves_them_memory_of_their_own(layers, monkeypatch):
-    driver, manager, addresses = layers
-    expected = contents(driver, addresses)
-    manager.sleep(offload_tags=("weights",))
-    manager.wake_up()
-    reserve = Backups.reserve_fingerprint_room
-
-    def one_block_short(self, allocations):
-        return {d: t[4:] for d, t in reserve(self, allocations).items()}
-
-    monkeypatch.setattr(Backups, "reserve_fingerprint_room", one_block_short)
-    calls = len(driver.fingerprint_memory)
-    driver.memory[addresses[1]][7] ^= 1
-    expected[1][7] ^= 1
-    manager.sleep(offload_tags=("weights",))
-    ((_, table, _),) = driver.fingerprint_memory[calls:]
-    assert table is None
-    assert manager.last_backup().copied == {"weights": BLOCK_BYTES}
-    manager.wake_up()
-    check_exact(driver, addresses, expected)

@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_graph_sleep.memory import fingerprint_room
 from vllm_graph_sleep.memory import fingerprints as blocks_of
-from vllm_graph_sleep.memory.fingerprint_room import FingerprintRoom
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
 from vllm_graph_sleep.memory.report import PhaseClock
 from vllm_graph_sleep.settings import COMPRESS_BACKUPS, KEEP_UNCHANGED_BACKUPS
@@ -160,11 +158,10 @@ def _queue_fingerprints(
     driver: DeviceDriver,
     allocations: list[Allocation],
     pairs_of: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
-    room: FingerprintRoom,
 ) -> _Queued:
     """Queues on the devices the fingerprints of each allocation's
-    backed-up bytes as the device holds them, block by block over its pairs,
-    in `room` where it is large enough; `_read_fingerprints` waits for them."""
+    backed-up bytes as the device holds them, block by block over its pairs;
+    `_read_fingerprints` waits for them."""
     by_device: dict[torch.device, list[Allocation]] = {}
     for allocation in allocations:
         pairs = pairs_of[allocation.address]
@@ -176,8 +173,8 @@ def _queue_fingerprints(
         per_allocation = [
             sum(blocks_of.blocks(d.numel()) for d, _ in pairs_of[a.address]) for a in on_device
         ]
-        out, table_room = fingerprint_room.place(room, device, sum(per_allocation))
-        driver.fingerprint(ranges, out, table_room)
+        out = torch.empty((sum(per_allocation), blocks_of.LANES), dtype=torch.int64, device=device)
+        driver.fingerprint(ranges, out)
         queued.append((on_device, out, per_allocation))
     return queued
 
@@ -186,9 +183,7 @@ def _read_fingerprints(queued: _Queued) -> dict[int, torch.Tensor]:
     """Address -> host int64 [blocks, lanes] fingerprints, read in one copy per device."""
     result: dict[int, torch.Tensor] = {}
     for on_device, out, per_allocation in queued:
-        # A copy also where `out` is on the host (the fake driver's): the
-        # records must not keep the sleep's fingerprint room.
-        host = out.to("cpu", copy=True)
+        host = out.cpu()
         result.update(zip((a.address for a in on_device), host.split(per_allocation), strict=True))
     queued.clear()  # the device copies, before the caller frees torch's cache
     return result
@@ -241,13 +236,6 @@ class Backups:
                 time.perf_counter() - started,
             )
 
-    def reserve_fingerprint_room(self, allocations: Iterable[Allocation]) -> FingerprintRoom:
-        """For a sleep backing up `allocations`, before it empties torch's
-        cache (memory.fingerprint_room says why); empty where none are kept."""
-        if not self.keep_unchanged:
-            return {}
-        return fingerprint_room.reserve(allocations, lambda a: self.device_bytes(a).device)
-
     def live_ranges(
         self, graph_segments: list[dict], workspace_blocks: frozenset[tuple[int, int]]
     ) -> dict[int, list[tuple[int, int]]]:
@@ -281,13 +269,9 @@ class Backups:
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock | None = None,
         beside: Callable[[], None] | None = None,
-        room: FingerprintRoom | None = None,
     ) -> BackupCount:
         """Copies `allocations` to pinned host buffers and waits for the copies;
-        `live`: the ranges to copy of graph-pool segments (live_ranges);
-        `room`: where the fingerprints go (reserve_fingerprint_room); emptied
-        once they are queued, so that the release of the backup's scratch
-        gives it back.
+        `live`: the ranges to copy of graph-pool segments (live_ranges).
         `beside` is called once the fingerprints are queued (or the host
         buffers are ready, where there are none), to start work of its own
         beside the rest: its driver calls would make those of the queueing
@@ -307,7 +291,7 @@ class Backups:
         On failure no host buffer of `allocations` is trusted any more: a copy
         may have written part of it."""
         try:
-            return self._back_up(allocations, live, clock or PhaseClock(), beside, room or {})
+            return self._back_up(allocations, live, clock or PhaseClock(), beside)
         except BaseException:
             for allocation in allocations:
                 allocation.fingerprints = None
@@ -319,7 +303,6 @@ class Backups:
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock,
         beside: Callable[[], None] | None,
-        room: FingerprintRoom,
     ) -> BackupCount:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
@@ -342,11 +325,8 @@ class Backups:
             pairs_of[allocation.address] = self.pairs(allocation)
         clock.lap("host buffers")
         queued = (
-            _queue_fingerprints(self._driver, allocations, pairs_of, room)
-            if self.keep_unchanged
-            else []
+            _queue_fingerprints(self._driver, allocations, pairs_of) if self.keep_unchanged else []
         )
-        room.clear()  # what the queue did not take, before the release below
         clock.lap("fingerprints queued")
         if beside is not None:
             beside()

@@ -88,15 +88,11 @@ class DeviceDriver(Protocol):
         """A uint8 tensor viewing `size` mapped bytes at `address`."""
         ...
 
-    def fingerprint(
-        self, ranges: list[torch.Tensor], out: torch.Tensor, table_room: torch.Tensor | None = None
-    ) -> None:
+    def fingerprint(self, ranges: list[torch.Tensor], out: torch.Tensor) -> None:
         """Queues on `out`'s device the fingerprints of the 1 MiB blocks of
         `ranges` (uint8, on that device), range after range, into `out` (int64
         [blocks, 2]; vllm_graph_sleep.memory.fingerprints defines them);
-        ValueError for a range that is not whole 8-byte words. `table_room`
-        (int64 [blocks, 2], on that device): where the launch's table of
-        blocks goes, if given; else it takes device memory of its own."""
+        ValueError for a range that is not whole 8-byte words."""
         ...
 
     def host_buffer(self, size: int) -> torch.Tensor:

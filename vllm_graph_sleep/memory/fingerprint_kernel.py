@@ -87,17 +87,15 @@ def launch(
     out: torch.Tensor,
     step: int = _STEP,
     num_warps: int = 8,
-    table_room: torch.Tensor | None = None,
 ) -> None:
     """Queues the kernel over `table` (block_table(ranges), on the host) into
-    `out`, on the current stream; the table's device copy goes into
-    `table_room` (int64, contiguous, its shape, on out's device) if given."""
+    `out`, on the current stream."""
     base = min((data for data in ranges if data.numel()), key=lambda data: data.data_ptr())
     offsets = table.clone()
     offsets[:, 0] = (table[:, 0] - base.data_ptr()) // WORD_BYTES
     fingerprint_kernel[(table.shape[0],)](
         base.view(torch.int64),
-        _to_device(offsets, out.device, table_room),
+        _to_device(offsets, out.device),
         out,
         BLOCK_WORDS=_BLOCK_WORDS,
         STEP=step,
@@ -105,43 +103,25 @@ def launch(
     )
 
 
-def _to_device(
-    table: torch.Tensor, device: torch.device, room: torch.Tensor | None
-) -> torch.Tensor:
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     """From pinned memory, without waiting, on a GPU: a sleep releases the KV
     cache on another thread meanwhile, and the driver makes a synchronous copy
-    wait for that (release.EarlyDrop). As it is for Triton's interpreter.
-    Into `room` where given, else into memory of its own."""
-    source = table if device.type == "cpu" else table.pin_memory()
-    if room is not None:
-        return room.copy_(source, non_blocking=True)
-    return source if device.type == "cpu" else source.to(device, non_blocking=True)
+    wait for that (release.EarlyDrop). As it is for Triton's interpreter."""
+    if device.type == "cpu":
+        return table
+    return table.pin_memory().to(device, non_blocking=True)
 
 
-def fingerprint(
-    ranges: list[torch.Tensor], out: torch.Tensor, table_room: torch.Tensor | None = None
-) -> None:
+def fingerprint(ranges: list[torch.Tensor], out: torch.Tensor) -> None:
     """Writes the fingerprints of the blocks of `ranges` (uint8, contiguous,
     each a multiple of 8 bytes starting 8-byte aligned, all on `out`'s device)
     into `out` (int64, [sum of blocks(len), LANES]), range after range,
-    queued on the current stream in one launch. `table_room`: where the
-    launch's block table goes on the device (int64 [blocks, 2], contiguous); None: a
-    tensor of its own, taken from torch's cache then."""
+    queued on the current stream in one launch."""
     if any(data.device != out.device for data in ranges):
         raise ValueError(f"every range must be on {out.device}, as out is")
     table = block_table(ranges)
     count = table.shape[0]
     if out.shape != (count, LANES) or out.dtype != torch.int64:
         raise ValueError(f"out must be int64 [{count}, {LANES}], not {out.dtype} {list(out.shape)}")
-    if table_room is not None and (
-        table_room.shape != (count, 2)
-        or table_room.dtype != torch.int64
-        or table_room.device != out.device
-        or not table_room.is_contiguous()
-    ):
-        raise ValueError(
-            f"table_room must be int64 [{count}, 2], contiguous, on {out.device}, not "
-            f"{table_room.dtype} {list(table_room.shape)} on {table_room.device}"
-        )
     if count:
-        launch(ranges, table, out, table_room=table_room)
+        launch(ranges, table, out)

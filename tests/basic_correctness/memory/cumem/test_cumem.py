@@ -1333,47 +1333,6 @@ def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(
 
 
 @fresh_process
-def test_a_sleeps_fingerprints_take_no_device_segment_after_it_empties_torchs_cache(monkeypatch):
-    """Issue 38, leases 13 and 14 (docs/results/sleep-speed-h100.md): where
-    the fingerprints' device memory came after a sleep's first empty_cache,
-    the block table's host-side build stalled for 12-37 ms on the 8B. Their
-    room is taken before that release: from it to the fingerprints' launch,
-    torch makes no new segment, at the first sleep and at a later one, and
-    the wake is exact."""
-    from vllm_graph_sleep._native import VmmDriver
-
-    def segments() -> int:
-        return torch.cuda.memory_stats()["segment.all.allocated"]
-
-    seen = []  # ("empty", segments after it) / ("fingerprint", segments after it)
-    release, fingerprint = VmmDriver.release_cached_memory, VmmDriver.fingerprint
-
-    def recording_release(self):
-        release(self)
-        seen.append(("empty", segments()))
-
-    def recording_fingerprint(self, *args, **kwargs):
-        fingerprint(self, *args, **kwargs)
-        seen.append(("fingerprint", segments()))
-
-    monkeypatch.setattr(VmmDriver, "release_cached_memory", recording_release)
-    monkeypatch.setattr(VmmDriver, "fingerprint", recording_fingerprint)
-    alloc = manager()
-    assert alloc.keeps_unchanged_backups
-    with alloc.use_memory_pool("weights"):
-        weights = torch.randn(96 * MIB, device="cuda")
-    expected = weights.clone()
-    for cycle in range(2):
-        seen.clear()
-        alloc.sleep(offload_tags=("weights",))
-        assert seen[0][0] == "empty", seen  # the sleep's first release
-        (launch,) = [count for what, count in seen if what == "fingerprint"]
-        assert launch == seen[0][1], (cycle, seen)
-        alloc.wake_up()
-        assert same_bits(weights, expected), cycle
-
-
-@fresh_process
 @pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
 def test_after_a_level_2_sleep_and_a_reload_only_what_changed_is_copied(coded):
     """Issue 38 on a real GPU: a level-2 sleep keeps the host buffers (and
