@@ -153,6 +153,53 @@ def test_the_kernel_gives_the_references_fingerprints():
     assert "kernel equals reference" in result.stdout
 
 
+_KEPT_TABLE_CHECK = """
+import torch
+from tests.unit.fingerprint_reference import fingerprints
+from vllm_graph_sleep.memory import fingerprint_kernel as fk, fingerprints as fp
+built = []
+real = fk._block_table
+fk._block_table = lambda layout: built.append(layout) or real(layout)
+generator = torch.Generator().manual_seed(5)
+buffer = torch.randint(0, 256, (3 * fp.BLOCK_BYTES,), dtype=torch.uint8, generator=generator)
+
+def check(ranges, label):
+    out = torch.empty(sum(fp.blocks(r.numel()) for r in ranges), fp.LANES, dtype=torch.int64)
+    fk.fingerprint(ranges, out)
+    assert torch.equal(out, torch.cat([fingerprints(r) for r in ranges])), label
+
+first = [buffer[: fp.BLOCK_BYTES + 64], buffer[2 * fp.BLOCK_BYTES :]]
+check(first, "first")
+buffer[100] ^= 1  # other contents, the same layout: its table is kept
+check(first, "same layout")
+assert len(built) == 1, built
+# As many blocks, other bounds: a table of its own, and the first one kept.
+moved = [buffer[8 : fp.BLOCK_BYTES + 64], buffer[2 * fp.BLOCK_BYTES : 3 * fp.BLOCK_BYTES - 8]]
+check(moved, "moved")
+assert len(built) == 2, built
+check(first, "first again")
+assert len(built) == 2, built
+# Whatever is kept, each range is checked: the same address and size, not contiguous.
+square = buffer[: 64 * 64]
+check([square], "square")
+try:
+    fk.fingerprint([square.view(64, 64).T], torch.empty(1, fp.LANES, dtype=torch.int64))
+except ValueError as error:
+    assert "contiguous uint8" in str(error), error
+else:
+    raise AssertionError("a non-contiguous range was fingerprinted")
+print("kept tables checked")
+"""
+
+
+def test_a_layout_fingerprinted_before_reuses_its_table_and_any_other_gets_its_own():
+    """Issue 38: building the launch table at a sleep stalled for 12-37 ms on
+    the 8B (leases 13-15); a sleep over the layout of one before builds none.
+    In Triton's interpreter, on the host."""
+    result = _interpreted(_KEPT_TABLE_CHECK)
+    assert "kept tables checked" in result.stdout
+
+
 _SPEED_CHECK = """
 import torch
 from benchmarks import fingerprint_speed
