@@ -114,10 +114,9 @@ def _offsets(table: torch.Tensor, base: int) -> torch.Tensor:
 def _launch_table(layout: _Layout, pinned: bool) -> torch.Tensor:
     """The table a launch over `layout` reads (never written after), pinned
     for a GPU: kept, so that a sleep over the layout of the one before builds
-    nothing on the host. Built at a sleep, it took 12-37 ms on the 8B where
-    its host allocations followed the sleep's release of torch's cached
-    segments, against 0.3-1.3 ms elsewhere; kept, 0.02-0.14 ms (leases 13-15,
-    docs/results/sleep-speed-h100.md)."""
+    nothing on the host. Built at a sleep on the 8B, it took 12-37 ms at some
+    (why is open) and 0.3-1.3 ms at the others; kept, 0.02-0.14 ms at every
+    sleep that found it (leases 13-15, docs/results/sleep-speed-h100.md)."""
     base = min(address for address, size in layout if size)
     offsets = _offsets(_block_table(layout), base)
     return offsets.pin_memory() if pinned else offsets
