@@ -67,22 +67,25 @@ _Layout = tuple[tuple[int, int], ...]
 _LAYOUTS_KEPT = 4
 
 
-def _check(data: torch.Tensor) -> None:
-    if data.dtype != torch.uint8 or not data.is_contiguous():
-        raise ValueError(f"fingerprints take contiguous uint8 ranges, not {data.dtype}")
-    if data.numel() % WORD_BYTES or data.data_ptr() % WORD_BYTES:
-        raise ValueError(
-            f"fingerprints take whole 8-byte words: {data.numel()} bytes at {data.data_ptr():#x}"
-        )
+def _layout(ranges: list[torch.Tensor]) -> _Layout:
+    """The layout of `ranges`, each checked (at every call, whatever is kept):
+    ValueError for one that is not contiguous uint8 in whole 8-byte words."""
+    for data in ranges:
+        if data.dtype != torch.uint8 or not data.is_contiguous():
+            raise ValueError(f"fingerprints take contiguous uint8 ranges, not {data.dtype}")
+        if data.numel() % WORD_BYTES or data.data_ptr() % WORD_BYTES:
+            raise ValueError(
+                "fingerprints take whole 8-byte words: "
+                f"{data.numel()} bytes at {data.data_ptr():#x}"
+            )
+    return tuple((data.data_ptr(), data.numel()) for data in ranges)
 
 
 def block_table(ranges: list[torch.Tensor]) -> torch.Tensor:
     """int64 [blocks, 2], on the host: where each block of `ranges` (in order)
     starts, and how many words it holds (a whole block but for each range's
     last). ValueError for a range that is not whole 8-byte words."""
-    for data in ranges:
-        _check(data)
-    return _block_table(tuple((data.data_ptr(), data.numel()) for data in ranges))
+    return _block_table(_layout(ranges))
 
 
 def _block_table(layout: _Layout) -> torch.Tensor:
@@ -172,9 +175,7 @@ def fingerprint(ranges: list[torch.Tensor], out: torch.Tensor) -> None:
     for their layout (built where there is none)."""
     if any(data.device != out.device for data in ranges):
         raise ValueError(f"every range must be on {out.device}, as out is")
-    for data in ranges:
-        _check(data)
-    layout = tuple((data.data_ptr(), data.numel()) for data in ranges)
+    layout = _layout(ranges)
     count = sum(blocks(size) for _, size in layout)
     if out.shape != (count, LANES) or out.dtype != torch.int64:
         raise ValueError(f"out must be int64 [{count}, {LANES}], not {out.dtype} {list(out.shape)}")
