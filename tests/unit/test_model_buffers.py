@@ -174,3 +174,34 @@ def test_without_pinned_memory_the_buffers_are_saved_all_the_same(monkeypatch):
     monkeypatch.setattr(torch, "empty", pinning_fails)
     model = Model()
     _assert_same(model_buffers.save(model), model)
+
+
+def test_the_buffers_of_a_device_are_gathered_and_copied_at_once(monkeypatch):
+    gathers: list[int] = []
+    real_cat = torch.cat
+
+    def counting_cat(tensors, *args, **kwargs):
+        gathers.append(len(tensors))
+        return real_cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", counting_cat)
+    model = Model()
+    _assert_same(model_buffers.save(model), model)
+    # Every strided buffer (the sparse one aside) in one gather.
+    assert gathers == [8]
+
+
+def test_chunks_smaller_than_a_buffer_still_save_every_byte(monkeypatch):
+    # cos_sin (70 bytes) and ids (96) are each larger than a chunk.
+    monkeypatch.setattr(model_buffers, "_CHUNK_BYTES", 24)
+    model = Model()
+    _assert_same(model_buffers.save(model), model)
+
+
+def test_without_device_memory_for_the_gather_each_buffer_is_copied_by_itself(monkeypatch):
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB")
+
+    monkeypatch.setattr(torch, "cat", no_room)
+    model = Model()
+    _assert_same(model_buffers.save(model), model)

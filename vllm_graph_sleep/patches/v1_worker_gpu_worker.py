@@ -31,7 +31,7 @@ gate is on in this worker, this patch
   wake that fails the same way (rank_sleep.wake_rank), so that the executor
   reads every reply and keeps the engine recorded asleep;
 - saves the model's buffers before a level-2 sleep in one pinned staging
-  buffer, with a copy per buffer queued and one wait
+  buffer, gathered on their device and copied in a few chunks with one wait
   (vllm_graph_sleep.model_buffers), where vLLM's own save makes a
   synchronous copy and a clone per buffer (129 on a Llama 8B); vLLM's sleep
   then finds no buffer to save and the wake restores these;
