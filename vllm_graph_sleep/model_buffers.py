@@ -22,9 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
-# Where each chunk and each buffer copied alone starts in the staging buffer:
-# every dtype can be viewed there (view(dtype) needs an offset that is a
-# multiple of its item size).
+# Where each chunk starts in the staging buffer: every dtype can be viewed
+# there (view(dtype) needs an offset that is a multiple of its item size).
 _ALIGNMENT = 64
 # At most this much device memory per gathered chunk, taken from torch's cache
 # for the time of one copy (each chunk's is free for the next once queued: one
@@ -40,16 +39,16 @@ def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     asynchronously and waited for before returning."""
     buffers = list(model.named_buffers())
     strided = [(name, buffer) for name, buffer in buffers if buffer.layout == torch.strided]
-    placed, total = _place(strided)
+    chunks, total = _place(strided)
     staging = _staging_buffer(total)
-    for chunk, offset, size in placed:
-        _copy_chunk(chunk, staging[offset : offset + size])
+    for chunk in chunks:
+        _copy_chunk(chunk, staging)
     for device in {buffer.device for _, buffer in strided if buffer.device.type == "cuda"}:
         torch.cuda.synchronize(device)
     saved = {
         name: staging[offset : offset + size].view(buffer.dtype).reshape(buffer.shape)
-        for chunk, start, _ in placed
-        for name, buffer, offset, size in _members(chunk, start)
+        for chunk in chunks
+        for name, buffer, offset, size in chunk
     }
     # Sparse and other layouts: as vLLM copies them.
     return {
@@ -57,66 +56,58 @@ def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-# A chunk: (name, buffer) pairs copied with one copy, in order, each right
-# after the one before (see _place).
-_Chunk = list[tuple[str, torch.Tensor]]
+# A buffer's place in the staging buffer: (name, buffer, offset, bytes).
+_Placed = tuple[str, torch.Tensor, int, int]
 
 
 def _nbytes(buffer: torch.Tensor) -> int:
     return buffer.numel() * buffer.element_size()
 
 
-def _place(strided: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[_Chunk, int, int]], int]:
-    """(chunk, offset in the staging buffer, bytes) of each chunk, and the
-    staging buffer's size. Chunks hold buffers of one device, larger item
-    sizes first: item sizes are powers of two, so each buffer starts at a
-    multiple of its own (the chunk starts at _ALIGNMENT)."""
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGNMENT) * _ALIGNMENT
+
+
+def _place(strided: list[tuple[str, torch.Tensor]]) -> tuple[list[list[_Placed]], int]:
+    """The chunks, each a run of buffers of one device placed one right after
+    another from an offset of _ALIGNMENT, and the staging buffer's size.
+    Larger item sizes go first: item sizes are powers of two, so each buffer
+    starts at a multiple of its own."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, buffer in sorted(strided, key=lambda pair: -pair[1].element_size()):
         by_device.setdefault(buffer.device, []).append((name, buffer))
-    chunks: list[tuple[_Chunk, int]] = []  # (chunk, bytes)
+    chunks: list[list[_Placed]] = []
+    total = 0
     for members in by_device.values():
-        chunk: _Chunk = []
-        size = 0
+        chunk: list[_Placed] = []
+        offset = total  # where the next buffer goes
         for name, buffer in members:
-            if chunk and size + _nbytes(buffer) > _CHUNK_BYTES:
-                chunks.append((chunk, size))
-                chunk, size = [], 0
-            chunk.append((name, buffer))
-            size += _nbytes(buffer)
-        if chunk:
-            chunks.append((chunk, size))
-    placed, total = [], 0
-    for chunk, size in chunks:
-        placed.append((chunk, total, size))
-        total += -(-size // _ALIGNMENT) * _ALIGNMENT
-    return placed, total
+            size = _nbytes(buffer)
+            if chunk and offset + size - chunk[0][2] > _CHUNK_BYTES:
+                chunks.append(chunk)
+                chunk, offset = [], _aligned(offset)
+            chunk.append((name, buffer, offset, size))
+            offset += size
+        chunks.append(chunk)
+        total = _aligned(offset)
+    return chunks, total
 
 
-def _members(chunk: _Chunk, start: int) -> Iterator[tuple[str, torch.Tensor, int, int]]:
-    """(name, buffer, offset in the staging buffer, bytes) of each buffer of
-    `chunk`, placed at `start`."""
-    offset = start
-    for name, buffer in chunk:
-        yield name, buffer, offset, _nbytes(buffer)
-        offset += _nbytes(buffer)
-
-
-def _copy_chunk(chunk: _Chunk, target: torch.Tensor) -> None:
-    """Queues the bytes of `chunk`'s buffers, one after another, into
-    `target`: gathered on their device and copied at once; one by one where
-    the device has no room for the gathered copy (the sleep goes on)."""
-    flat = [buffer.detach().reshape(-1).view(torch.uint8) for _, buffer in chunk]
+def _copy_chunk(chunk: list[_Placed], staging: torch.Tensor) -> None:
+    """Queues the bytes of `chunk`'s buffers into their places in `staging`:
+    gathered on their device and copied at once; one by one where the device
+    has no room for the gathered copy (the sleep goes on)."""
+    flat = [buffer.detach().reshape(-1).view(torch.uint8) for _, buffer, _, _ in chunk]
     if len(flat) > 1:
+        _, _, start, _ = chunk[0]
+        _, _, last, size = chunk[-1]
         try:
-            target.copy_(torch.cat(flat), non_blocking=True)
+            staging[start : last + size].copy_(torch.cat(flat), non_blocking=True)
             return
         except torch.OutOfMemoryError:
             pass
-    offset = 0
-    for data in flat:
-        target[offset : offset + data.numel()].copy_(data, non_blocking=True)
-        offset += data.numel()
+    for data, (_, _, offset, size) in zip(flat, chunk, strict=True):
+        staging[offset : offset + size].copy_(data, non_blocking=True)
 
 
 def _staging_buffer(size: int) -> torch.Tensor:
