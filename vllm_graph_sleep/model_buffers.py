@@ -50,8 +50,11 @@ def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     staging = _staging_buffer(total)
     for chunk in chunks:
         _copy_chunk(chunk, staging)
+    queued = time.perf_counter()
+    # The wait also covers whatever the device still had queued before the save.
     for device in {buffer.device for _, buffer in strided if buffer.device.type == "cuda"}:
         torch.cuda.synchronize(device)
+    waited = time.perf_counter()
     saved = {
         name: staging[offset : offset + size].view(buffer.dtype).reshape(buffer.shape)
         for chunk in chunks
@@ -64,11 +67,14 @@ def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # Its own line: this runs in the worker, outside the allocator's sleep and
     # its log line, and was the most of that outside time (lease 16).
     logger.info(
-        "graph-sleep level-2 sleep: saved the model's %d buffers (%s) in %d chunk(s) in %.1f ms",
+        "graph-sleep level-2 sleep: saved the model's %d buffers (%s) in %d chunk(s) in %.1f ms "
+        "(queued %.1f ms, waiting for the device %.1f ms)",
         len(buffers),
         format_bytes(sum(_nbytes(buffer) for _, buffer in buffers)),
         len(chunks),
         1000 * (time.perf_counter() - started),
+        1000 * (queued - started),
+        1000 * (waited - queued),
     )
     return result
 

@@ -78,7 +78,9 @@ def test_save_gives_what_vllms_per_buffer_copies_give(caplog):
     # The worker's log says what the save took: it is outside the allocator's line.
     count = len(list(model.named_buffers()))
     assert re.search(
-        rf"saved the model's {count} buffers \(.+\) in 1 chunk\(s\) in [0-9.]+ ms", caplog.text
+        rf"saved the model's {count} buffers \(.+\) in 1 chunk\(s\) in [0-9.]+ ms "
+        r"\(queued [0-9.]+ ms, waiting for the device [0-9.]+ ms\)",
+        caplog.text,
     )
     expected = {name: buffer.cpu().clone() for name, buffer in model.named_buffers()}
     _assert_same(saved, model)
