@@ -12,7 +12,9 @@ once; the wake copies them back as vLLM does, from these host tensors.
 Why gathered: one asynchronous copy per buffer (9f1e411) still took 3.8-7.4
 ms of the 8B's level-2 sleeps, the most of what they spend outside the
 allocator (lease 16, docs/results/sleep-speed-h100.md); for 129 such buffers
-on an H100, 2.9-3.0 ms per save against 0.9 ms gathered.
+on an H100, 2.9-3.0 ms per save against 0.9 ms gathered. In the engine the
+8B's level-2 sleeps still spent 7.9 ms outside the allocator with it (lease
+17): the save's log line says how much of that is the save.
 """
 
 from __future__ import annotations
