@@ -1,13 +1,16 @@
 // Virtual-memory allocator behind vllm-graph-sleep's sleep mode.
 //
 // Torch uses my_malloc/my_free as a pluggable allocator; Python drives sleep
-// and wake through create_and_map/unmap_and_release. Each allocation reserves
-// its virtual range once. Sleep unmaps and releases the physical memory but
-// keeps the address, so pointers baked into CUDA/HIP graphs stay valid and wake
-// maps fresh physical memory at the same address. On CUDA the original
-// reservation keeps it; on ROCm that reservation must go for the VRAM to come
+// and wake through create_and_map/unmap_and_release. Each allocation gets its
+// virtual range once: on CUDA one after another from a large reservation (an
+// arena chunk), on ROCm a reservation of its own. Sleep unmaps and releases the
+// physical memory but keeps the address, so pointers baked into CUDA/HIP graphs
+// stay valid and wake maps fresh physical memory at the same address. On CUDA
+// the chunk keeps it; on ROCm that reservation must go for the VRAM to come
 // back, so an empty placeholder reservation of the same range holds the
-// address while asleep (kPlaceholderWhileAsleep in cumem_compat.h).
+// address while asleep (kPlaceholderWhileAsleep in cumem_compat.h). A wake may
+// map neighbouring ranges with one physical allocation (map_run), which a
+// sleep then gives back at once.
 //
 // ABI rules: nothing here throws or exits. Driver failures are recorded in a
 // per-thread message "<call> failed: <driver message>" that the Python entry
@@ -18,8 +21,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <atomic>
 #include <cinttypes>
 #include <cstdio>
+#include <memory>
 #include <new>
 #include <string>
 #include <sys/types.h>
@@ -37,6 +42,9 @@ PyObject* g_on_free = nullptr;
 
 thread_local std::string t_last_error;
 
+struct Run;
+struct ArenaChunk;
+
 // What this module keeps per allocation. Python holds its address as the
 // allocation's "handle" and hands it back on every call.
 struct Allocation {
@@ -45,6 +53,41 @@ struct Allocation {
   // for a ROCm allocation asleep whose placeholder could not be had; wake then
   // reserves the range again.
   bool range_held = true;
+  // The run whose mapping backs this range while the run lives (map_run), and
+  // this range's place in it; its own `physical` is then unused.
+  Run* run = nullptr;
+  size_t slot = 0;
+  // The arena chunk the range was taken from (CUDA), or nullptr: a
+  // reservation of its own (ROCm).
+  ArenaChunk* chunk = nullptr;
+};
+
+// A range of a run: its record (nullptr once torch freed it: its reservation
+// goes with the run) and whether it is in use (mapped, for its record).
+struct RunSlot {
+  Allocation* allocation = nullptr;
+  uint64_t address = 0;
+  size_t size = 0;
+  ArenaChunk* chunk = nullptr;
+  bool in_use = true;
+};
+
+// Neighbouring ranges mapped at once, by one mapping of one physical
+// allocation (map_run): a sleep then gives the run back with one unmap and
+// one release, where each allocation of its own costs a release (issue 38;
+// docs/results/sleep-speed-h100.md). A mapping can only be unmapped whole, so
+// a range that is unmapped or freed only leaves the run; the last one to
+// leave unmaps and releases it all. A range unmapped while others are still
+// in use keeps its memory and contents: mapped again (a failed sleep's
+// rollback), it rejoins the run.
+struct Run {
+  int device = 0;
+  uint64_t base = 0;
+  size_t size = 0;
+  PhysicalHandle physical{};
+  RunSlot* slots = nullptr;
+  size_t count = 0;
+  size_t in_use = 0;
 };
 
 bool succeeded(DriverResult result) {
@@ -157,7 +200,170 @@ void hold_with_placeholder(int device, uint64_t address, size_t size, Allocation
   }
 }
 
+// One large reservation that hands out the ranges of allocations one after
+// another (CUDA), so that those made one after another (the weights of one
+// model load) are neighbours within one reservation, which one mapping may
+// cover (map_run). A range is not handed out again; the reservation goes
+// once every range taken from it is given back and a newer chunk hands them
+// out. ROCm reserves each range on its own (kPlaceholderWhileAsleep).
+struct ArenaChunk {
+  uint64_t base = 0;
+  size_t size = 0;
+  size_t used = 0;  // bytes from base handed out, alignment gaps included
+  size_t live = 0;  // ranges out
+};
+
+constexpr size_t kArenaChunkBytes = size_t{256} << 30;
+constexpr size_t kGiB = size_t{1} << 30;
+
+// Guards the arena: my_malloc runs on any thread torch allocates from (one
+// lock per device in torch). Spins: it is held for a few instructions, and
+// takes no lock that could throw.
+std::atomic_flag g_arena_lock = ATOMIC_FLAG_INIT;
+ArenaChunk* g_arena = nullptr;  // the chunk handing out ranges now
+
+class ArenaLock {
+ public:
+  ArenaLock() {
+    while (g_arena_lock.test_and_set(std::memory_order_acquire)) {
+    }
+  }
+  ~ArenaLock() { g_arena_lock.clear(std::memory_order_release); }
+  ArenaLock(const ArenaLock&) = delete;
+  ArenaLock& operator=(const ArenaLock&) = delete;
+};
+
+// Frees a chunk that hands out no more ranges and has none out (lock held).
+void retire_if_empty(ArenaChunk* chunk) {
+  if (chunk != g_arena && chunk->live == 0) {
+    if (!succeeded(free_address(chunk->base, chunk->size))) {
+      report("freeing an arena chunk");
+    }
+    delete chunk;
+  }
+}
+
+// Takes `size` bytes starting at a multiple of `alignment` (at most 1 GiB).
+bool arena_take(size_t size, size_t alignment, uint64_t* address, ArenaChunk** taken) {
+  ArenaLock lock;
+  ArenaChunk* chunk = g_arena;
+  size_t start = chunk == nullptr ? 0 : (chunk->used + alignment - 1) / alignment * alignment;
+  if (chunk == nullptr || start + size > chunk->size) {
+    auto* fresh = new (std::nothrow) ArenaChunk{};
+    if (fresh == nullptr) {
+      t_last_error = "out of host memory for an arena chunk";
+      return false;
+    }
+    fresh->size = size > kArenaChunkBytes ? (size + kGiB - 1) / kGiB * kGiB : kArenaChunkBytes;
+    if (!succeeded(reserve_address(&fresh->base, fresh->size, kGiB, 0))) {
+      delete fresh;
+      return false;
+    }
+    g_arena = fresh;
+    if (chunk != nullptr) {
+      retire_if_empty(chunk);
+    }
+    chunk = fresh;
+    start = 0;
+  }
+  chunk->used = start + size;
+  ++chunk->live;
+  *address = chunk->base + start;
+  *taken = chunk;
+  return true;
+}
+
+void arena_give_back(ArenaChunk* chunk) {
+  ArenaLock lock;
+  --chunk->live;
+  retire_if_empty(chunk);
+}
+
+// Gives a range back where it came from: its arena chunk or its own reservation.
+bool give_back_range(ArenaChunk* chunk, uint64_t address, size_t size) {
+  if (chunk != nullptr) {
+    arena_give_back(chunk);
+    return true;
+  }
+  return succeeded(free_address(address, size));
+}
+
+// Unmaps and releases a run whose last range leaves it, then frees the
+// reservations of the ranges torch freed meanwhile and detaches the others.
+// All or nothing: on failure the run is mapped as before.
+bool end_run(Run* run) {
+  if (!succeeded(bind_device(run->device)) || !succeeded(unmap_physical(run->base, run->size))) {
+    return false;
+  }
+  if (!succeeded(release_physical(run->physical))) {
+    const std::string release_error = t_last_error;
+    if (succeeded(map_physical(run->base, run->size, run->physical))) {
+      grant_read_write(run->base, run->size, run->device);
+    }
+    t_last_error = release_error;
+    return false;
+  }
+  for (size_t i = 0; i < run->count; ++i) {
+    RunSlot& slot = run->slots[i];
+    if (slot.allocation == nullptr) {
+      if (!give_back_range(slot.chunk, slot.address, slot.size)) {
+        report("freeing a freed range of a run");
+      }
+    } else {
+      slot.allocation->run = nullptr;
+    }
+  }
+  delete[] run->slots;
+  delete run;
+  return true;
+}
+
+// Takes `allocation`'s range out of use in its run (`freed`: torch freed it,
+// in use or not); the last range out ends the run.
+bool leave_run(Allocation* allocation, bool freed) {
+  Run* run = allocation->run;
+  RunSlot& slot = run->slots[allocation->slot];
+  if (!slot.in_use && !freed) {
+    t_last_error = "unmap_and_release failed: the range is not mapped";
+    return false;
+  }
+  if (freed) {
+    slot.allocation = nullptr;
+    allocation->run = nullptr;
+  }
+  if (!slot.in_use) {
+    return true;
+  }
+  if (run->in_use > 1) {
+    slot.in_use = false;
+    --run->in_use;
+    return true;
+  }
+  if (end_run(run)) {
+    return true;
+  }
+  if (freed) {
+    // Its record goes: the run stays mapped, with no range in use, until
+    // another member is mapped again and leaves.
+    slot.in_use = false;
+    run->in_use = 0;
+  }
+  return false;
+}
+
 bool create_and_map(int device, size_t size, uint64_t address, Allocation* allocation) {
+  if (allocation->run != nullptr) {
+    // The run is still mapped (another range is in use), with this range's
+    // memory and contents: it is in use again.
+    RunSlot& slot = allocation->run->slots[allocation->slot];
+    if (slot.in_use) {
+      t_last_error = "create_and_map failed: the range is already mapped";
+      return false;
+    }
+    slot.in_use = true;
+    ++allocation->run->in_use;
+    return true;
+  }
   if (!succeeded(bind_device(device))) {
     return false;
   }
@@ -175,6 +381,9 @@ bool create_and_map(int device, size_t size, uint64_t address, Allocation* alloc
 // with its contents, so the caller's bookkeeping (and a sleep's rollback) can
 // treat a failed call as one that changed nothing.
 bool unmap_and_release(int device, size_t size, uint64_t address, Allocation* allocation) {
+  if (allocation->run != nullptr) {
+    return leave_run(allocation, false);
+  }
   if (!succeeded(bind_device(device)) || !succeeded(unmap_physical(address, size))) {
     return false;
   }
@@ -189,6 +398,57 @@ bool unmap_and_release(int device, size_t size, uint64_t address, Allocation* al
   }
   if (kPlaceholderWhileAsleep) {
     hold_with_placeholder(device, address, size, allocation);
+  }
+  return true;
+}
+
+struct RunMember {
+  size_t size = 0;
+  uint64_t address = 0;
+  Allocation* allocation = nullptr;
+};
+
+// Maps fresh memory at `count` neighbouring ranges, in address order, none
+// mapped nor in a run, with one physical allocation and one mapping (Run).
+// All or nothing, like map_fresh_memory.
+bool map_run(int device, const RunMember* members, size_t count) {
+  if (kPlaceholderWhileAsleep) {
+    // Each range asleep is held by a placeholder of its own.
+    t_last_error = "map_run failed: not on this platform";
+    return false;
+  }
+  size_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    // One mapping covers one reservation: one arena chunk.
+    if (members[i].allocation->run != nullptr || members[i].allocation->chunk == nullptr ||
+        members[i].allocation->chunk != members[0].allocation->chunk ||
+        (i > 0 && members[i].address != members[i - 1].address + members[i - 1].size)) {
+      t_last_error = "map_run failed: the ranges are not free neighbours";
+      return false;
+    }
+    total += members[i].size;
+  }
+  const uint64_t base = members[0].address;
+  auto* run = new (std::nothrow) Run{};
+  auto* slots = new (std::nothrow) RunSlot[count];
+  if (run == nullptr || slots == nullptr) {
+    delete run;
+    delete[] slots;
+    t_last_error = "map_run failed: out of host memory";
+    return false;
+  }
+  PhysicalHandle physical{};
+  if (!succeeded(bind_device(device)) || !map_fresh_memory(device, base, total, &physical)) {
+    delete run;
+    delete[] slots;
+    return false;
+  }
+  *run = Run{device, base, total, physical, slots, count, count};
+  for (size_t i = 0; i < count; ++i) {
+    slots[i] = RunSlot{members[i].allocation, members[i].address, members[i].size,
+                       members[i].allocation->chunk, true};
+    members[i].allocation->run = run;
+    members[i].allocation->slot = i;
   }
   return true;
 }
@@ -271,25 +531,29 @@ bool allocate(ssize_t size, int device, uint64_t* address) {
     return false;
   }
   const size_t aligned = (static_cast<size_t>(size) + granularity - 1) / granularity * granularity;
-  if (!succeeded(reserve_address(address, aligned, range_alignment(aligned, granularity), 0))) {
+  const size_t alignment = range_alignment(aligned, granularity);
+  ArenaChunk* chunk = nullptr;
+  if (!(kPlaceholderWhileAsleep ? succeeded(reserve_address(address, aligned, alignment, 0))
+                                : arena_take(aligned, alignment, address, &chunk))) {
     return false;
   }
   auto* allocation = new (std::nothrow) Allocation{};
   if (allocation == nullptr) {
     t_last_error = "out of host memory for the allocation record";
-    free_address(*address, aligned);
+    give_back_range(chunk, *address, aligned);
     return false;
   }
+  allocation->chunk = chunk;
   if (!map_fresh_memory(device, *address, aligned, &allocation->physical)) {
     delete allocation;
-    free_address(*address, aligned);
+    give_back_range(chunk, *address, aligned);
     return false;
   }
   if (!announce_allocation(device, aligned, *address, allocation)) {
     unmap_physical(*address, aligned);
     release_physical(allocation->physical);
     delete allocation;
-    free_address(*address, aligned);
+    give_back_range(chunk, *address, aligned);
     return false;
   }
   return true;
@@ -355,14 +619,23 @@ GRAPH_SLEEP_EXPORT void my_free(void* ptr, ssize_t /*size*/, int device, StreamH
   if (!succeeded(bind_device(device))) {
     report("my_free");
   } else {
-    if (order.mapped && (!succeeded(unmap_physical(address, order.size)) ||
-                         !succeeded(release_physical(order.allocation->physical)))) {
-      report("my_free");
-    }
-    // Asleep, the range is held by its placeholder on ROCm, or by nothing if
-    // the placeholder was lost.
-    if (order.allocation->range_held && !succeeded(free_address(address, order.size))) {
-      report("my_free");
+    if (order.allocation->run != nullptr) {
+      // The run's mapping covers the range until the run ends, which frees
+      // its reservation then.
+      if (!leave_run(order.allocation, true)) {
+        report("my_free");
+      }
+    } else {
+      if (order.mapped && (!succeeded(unmap_physical(address, order.size)) ||
+                           !succeeded(release_physical(order.allocation->physical)))) {
+        report("my_free");
+      }
+      // Asleep, the range is held by its placeholder on ROCm, or by nothing if
+      // the placeholder was lost.
+      if (order.allocation->range_held &&
+          !give_back_range(order.allocation->chunk, address, order.size)) {
+        report("my_free");
+      }
     }
   }
   delete order.allocation;
@@ -411,6 +684,39 @@ PyObject* py_create_and_map(PyObject* /*self*/, PyObject* args) {
   Py_BEGIN_ALLOW_THREADS
   ok = create_and_map(device, size, address,
                       reinterpret_cast<Allocation*>(static_cast<uintptr_t>(handle)));
+  Py_END_ALLOW_THREADS
+  if (!ok) {
+    return raise_last_error();
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_create_and_map_run(PyObject* /*self*/, PyObject* args) {
+  int device = 0;
+  PyObject* list = nullptr;
+  if (!PyArg_ParseTuple(args, "iO!", &device, &PyList_Type, &list)) {
+    return nullptr;
+  }
+  const Py_ssize_t count = PyList_Size(list);
+  if (count < 1) {
+    PyErr_SetString(PyExc_ValueError, "create_and_map_run needs at least one range");
+    return nullptr;
+  }
+  std::unique_ptr<RunMember[]> members(new (std::nothrow) RunMember[count]);
+  if (!members) {
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    unsigned long long size = 0, address = 0, handle = 0;
+    if (!PyArg_ParseTuple(PyList_GetItem(list, i), "KKK", &size, &address, &handle)) {
+      return nullptr;
+    }
+    members[i] = {static_cast<size_t>(size), static_cast<uint64_t>(address),
+                  reinterpret_cast<Allocation*>(static_cast<uintptr_t>(handle))};
+  }
+  bool ok = false;
+  Py_BEGIN_ALLOW_THREADS
+  ok = map_run(device, members.get(), static_cast<size_t>(count));
   Py_END_ALLOW_THREADS
   if (!ok) {
     return raise_last_error();
@@ -488,6 +794,9 @@ PyMethodDef kMethods[] = {
      "records a new allocation; on_free(address) returns (size, handle, mapped)."},
     {"create_and_map", py_create_and_map, METH_VARARGS,
      "create_and_map(device, size, address, handle): map fresh physical memory at address."},
+    {"create_and_map_run", py_create_and_map_run, METH_VARARGS,
+     "create_and_map_run(device, [(size, address, handle), ...]): map fresh memory at "
+     "neighbouring ranges with one allocation and one mapping, given back with the last range."},
     {"unmap_and_release", py_unmap_and_release, METH_VARARGS,
      "unmap_and_release(device, size, address, handle): give the physical memory back."},
     {"stack_limit", py_stack_limit, METH_VARARGS,

@@ -82,6 +82,9 @@ class VmmDriver:
     def create_and_map(self, device: int, size: int, address: int, handle: int) -> None:
         self._ext.create_and_map(device, size, address, handle)
 
+    def create_and_map_run(self, device: int, members: list[tuple[int, int, int]]) -> None:
+        self._ext.create_and_map_run(device, members)
+
     def unmap_and_release(self, device: int, size: int, address: int, handle: int) -> None:
         self._ext.unmap_and_release(device, size, address, handle)
 

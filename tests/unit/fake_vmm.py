@@ -17,6 +17,7 @@ driver calls can be injected (`fail`), one call at a time.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from contextlib import contextmanager
@@ -74,6 +75,14 @@ class FakeVmmDriver:
         self.occupied_elsewhere = 0
         self.memory: dict[int, torch.Tensor] = {}  # address -> mapped bytes
         self.map_calls: list[int] = []
+        # create_and_map_run: each call's addresses, and address -> its run
+        # while the run lives ({"sizes": address -> bytes, "in_use": addresses,
+        # "held": address -> the bytes of a member out of use}).
+        self.run_calls: list[list[int]] = []
+        self.run_refusal = (
+            "cuMemMap failed: invalid argument"  # what fail("create_and_map_run") says
+        )
+        self.run_of: dict[int, dict] = {}
         self.probes: list[int] = []  # devices probed (probe_mapping), in order
         self.unmap_calls: list[int] = []
         self.sync_calls = 0
@@ -136,6 +145,14 @@ class FakeVmmDriver:
 
     def create_and_map(self, device: int, size: int, address: int, handle: int) -> None:
         self._maybe_fail("create_and_map", "cuMemCreate failed: out of memory")
+        run = self.run_of.get(address)
+        if run is not None:  # back in use in its run, with its bytes
+            if address in run["in_use"]:
+                raise RuntimeError("create_and_map failed: the range is already mapped")
+            self.memory[address] = run["held"].pop(address)
+            run["in_use"].add(address)
+            self.map_calls.append(address)
+            return
         if address in self.memory:
             raise RuntimeError("cuMemMap failed: invalid argument (range already mapped)")
         if self.used_bytes() + size > self.capacity:
@@ -143,13 +160,49 @@ class FakeVmmDriver:
         self.memory[address] = torch.full((size,), STALE_BYTE, dtype=torch.uint8)
         self.map_calls.append(address)
 
+    def create_and_map_run(self, device: int, members: list[tuple[int, int, int]]) -> None:
+        self._maybe_fail("create_and_map_run", self.run_refusal)
+        if self.rocm:
+            raise RuntimeError("map_run failed: not on this platform")
+        for (size, address, _), (_, following, _) in itertools.pairwise(members):
+            if address + size != following:
+                raise RuntimeError("map_run failed: the ranges are not free neighbours")
+        if any(address in self.memory or address in self.run_of for _, address, _ in members):
+            raise RuntimeError("map_run failed: the ranges are not free neighbours")
+        if self.used_bytes() + sum(size for size, _, _ in members) > self.capacity:
+            raise RuntimeError("cuMemCreate failed: out of memory")
+        run = {"sizes": {}, "in_use": set(), "held": {}}
+        for size, address, _ in members:
+            self.memory[address] = torch.full((size,), STALE_BYTE, dtype=torch.uint8)
+            self.map_calls.append(address)
+            run["sizes"][address] = size
+            run["in_use"].add(address)
+            self.run_of[address] = run
+        self.run_calls.append([address for _, address, _ in members])
+
+    def _leave_run(self, address: int) -> None:
+        """As the extension's leave_run: out of use, keeping its bytes while
+        another member is in use; the last one out gives the run back."""
+        run = self.run_of[address]
+        run["in_use"].discard(address)
+        tensor = self.memory.pop(address, None)
+        if run["in_use"]:
+            if tensor is not None:
+                run["held"][address] = tensor
+            return
+        for member in run["sizes"]:
+            self.run_of.pop(member, None)
+
     def unmap_and_release(self, device: int, size: int, address: int, handle: int) -> None:
         self._maybe_fail(
             "unmap_and_release", "cuMemUnmap failed: unspecified launch failure", address
         )
         if address not in self.memory:
             raise RuntimeError("cuMemUnmap failed: invalid argument (range not mapped)")
-        del self.memory[address]
+        if address in self.run_of:
+            self._leave_run(address)
+        else:
+            del self.memory[address]
         self.unmap_threads[address] = threading.current_thread().name
         self.unmap_calls.append(address)
         self.timeline.append(("unmapped", address))
@@ -377,7 +430,8 @@ class FakeVmmDriver:
     def malloc(self, size: int, device: int = 0) -> int:
         size = (size + PAGE - 1) // PAGE * PAGE
         address = self._next_address
-        self._next_address += size + PAGE
+        # Right after the last one, as the extension asks the driver for.
+        self._next_address += size
         handle = address + 1
         self.create_and_map(device, size, address, handle)
         if self.routing:
@@ -387,7 +441,12 @@ class FakeVmmDriver:
 
     def free(self, address: int) -> None:
         size, handle, mapped = self._on_free(address)
-        if mapped:
+        run = self.run_of.get(address)
+        if run is not None:  # its bytes go with the run
+            if address in run["in_use"]:
+                self._leave_run(address)
+            run["held"].pop(address, None)
+        elif mapped:
             self.unmap_and_release(0, size, address, handle)
 
     def tensor_dies(self, address: int) -> None:
@@ -400,10 +459,20 @@ class FakeVmmDriver:
     def mapped_bytes(self) -> int:
         return sum(t.numel() for t in self.memory.values())
 
+    def stranded_bytes(self) -> int:
+        """What live runs hold for members not in use (unmapped or freed)."""
+        runs = {id(run): run for run in self.run_of.values()}
+        return sum(
+            size
+            for run in runs.values()
+            for address, size in run["sizes"].items()
+            if address not in run["in_use"]
+        )
+
     def used_bytes(self) -> int:
-        """Device memory in use: ours, torch's own, other processes'."""
+        """Device memory in use: ours (runs' whole), torch's own, other processes'."""
         torch_own = sum(size for _, size in self.torch_held)
-        return self.mapped_bytes() + torch_own + self.occupied_elsewhere
+        return self.mapped_bytes() + self.stranded_bytes() + torch_own + self.occupied_elsewhere
 
     def write(self, address: int, value: int) -> None:
         self.device_bytes(0, address, 0).fill_(value)

@@ -195,8 +195,9 @@ def test_a_wake_that_fails_after_queuing_copies_waits_for_them_before_unmapping(
 
 
 def test_a_wake_queues_each_backups_copies_before_mapping_the_next(monkeypatch):
-    # The copies of one allocation run while the next one maps: a wake of a
-    # large model does not pay for all of its mappings before the first copy.
+    # The copies of one allocation (or of the weights' run) run while the next
+    # one maps: a wake of a large model does not pay for all of its mappings
+    # before the first copy.
     driver, manager = make()
     kv = allocate(driver, manager, "kv_cache", 8 * MIB, value=2)
     first = allocate(driver, manager, "weights", 4 * MIB, value=1)
@@ -205,23 +206,27 @@ def test_a_wake_queues_each_backups_copies_before_mapping_the_next(monkeypatch):
     manager.sleep(offload_tags=("weights", "cudagraph"))
     values = {graph: 3, first: 1, second: 5}
     seen = []
-    map_one = driver.create_and_map
+    map_one, map_run = driver.create_and_map, driver.create_and_map_run
+
+    def restored():
+        return [a for a, v in values.items() if a in driver.memory and (driver.read(a) == v).all()]
 
     def mapping(device, size, address, handle):
-        restored = [
-            a for a, v in values.items() if a in driver.memory and (driver.read(a) == v).all()
-        ]
-        seen.append((address, restored))
+        seen.append((address, restored()))
         map_one(device, size, address, handle)
 
+    def mapping_run(device, members):
+        seen.append((tuple(address for _, address, _ in members), restored()))
+        map_run(device, members)
+
     monkeypatch.setattr(driver, "create_and_map", mapping)
+    monkeypatch.setattr(driver, "create_and_map_run", mapping_run)
     manager.wake_up()
-    # Those with a backup first (the graph pool before the weights), each
+    # Those with a backup first (the graph pool before the weights' run), each
     # restored by the time the next maps; the kv cache, without one, last.
     assert seen == [
         (graph, []),
-        (first, [graph]),
-        (second, [graph, first]),
+        ((first, second), [graph]),
         (kv, [graph, first, second]),
     ]
 

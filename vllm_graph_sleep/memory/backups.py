@@ -9,12 +9,13 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_graph_sleep.memory import fingerprints as blocks_of
+from vllm_graph_sleep.memory.mapping import WakeMapper
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
 from vllm_graph_sleep.memory.report import PhaseClock
 from vllm_graph_sleep.settings import COMPRESS_BACKUPS, KEEP_UNCHANGED_BACKUPS
@@ -200,6 +201,7 @@ class Backups:
         fill: FillPolicy,
     ) -> None:
         self._driver = driver
+        self._mapper = WakeMapper(driver)
         self.coded = coded
         self.keep_unchanged = keep_unchanged
         self.whole_graph_pool = whole_graph_pool
@@ -490,15 +492,6 @@ class Backups:
         """Maps `targets` in order, appending each to `mapped` once it is, and
         restores their backups (`restore`); returns bytes per tag restored and
         remapped without backup. On failure `mapped` says what to roll back."""
-
-        def mapping(allocations: list[Allocation]) -> Iterator[Allocation]:
-            # One at a time, each handed to the restore as soon as it is
-            # mapped: the copies of one run while the next one maps.
-            for allocation in allocations:
-                self._driver.create_and_map(*allocation.vmm_args())
-                mapped.append(allocation)
-                yield allocation
-
         # A coded restore stages its pieces in device memory of its own: the
         # backed-up allocations are restored and the staging given back before
         # the rest maps, so that the wake needs no more than the sleep freed.
@@ -509,7 +502,7 @@ class Backups:
         restored: dict[str, int] = {}
         fresh: dict[str, int] = {}
         for phase in filter(None, phases):
-            filled = self.restore(mapping(phase), phase, clock)
+            filled = self.restore(self._mapper.mapping(phase, mapped), phase, clock)
             for total, part in zip((restored, fresh), filled, strict=True):
                 for tag, size in part.items():
                     add(total, tag, size)
@@ -527,6 +520,7 @@ class Backups:
         for allocation in released:
             try:
                 self._driver.create_and_map(*allocation.vmm_args())
+                allocation.mapped_again()
             except Exception:
                 logger.exception(
                     "graph-sleep: could not map %#x (%s) back after a failed sleep; it stays "
@@ -561,6 +555,7 @@ class Backups:
         for allocation in reversed(mapped):
             try:
                 self._driver.unmap_and_release(*allocation.vmm_args())
+                allocation.unmapped()
             except Exception:
                 logger.exception(
                     "graph-sleep: rollback could not unmap %#x (%s); it stays mapped",

@@ -49,6 +49,19 @@ class DeviceDriver(Protocol):
         is mapped."""
         ...
 
+    def create_and_map_run(self, device: int, members: list[tuple[int, int, int]]) -> None:
+        """Maps fresh memory at the neighbouring ranges (size, address, handle)
+        of `members`, in address order, none mapped nor in a run still mapped,
+        with one physical allocation and one mapping: a run. A member's
+        `unmap_and_release` then takes it out of use, and the last one out
+        gives the whole run back; one torch frees leaves it too. A member out
+        of use while the run lives keeps its memory and contents, and its
+        `create_and_map` puts it back in use. All or nothing: RuntimeError
+        when the driver refuses (out of memory; ranges that are not
+        neighbours in one of the extension's reservations; always on ROCm);
+        then nothing is mapped."""
+        ...
+
     def unmap_and_release(self, device: int, size: int, address: int, handle: int) -> None:
         """Unmaps and releases the physical memory at `address`, keeping the
         address reserved. All or nothing: RuntimeError leaves it mapped with

@@ -24,6 +24,27 @@ DEFERRABLE_TAGS = (WEIGHTS_TAG, KV_CACHE_TAG)
 BUILTIN_TAGS = (DEFAULT_TAG, WEIGHTS_TAG, KV_CACHE_TAG, GRAPH_TAG, RUNTIME_TAG)
 
 
+@dataclasses.dataclass(eq=False)
+class SharedRun:
+    """Neighbouring allocations a wake mapped with one physical allocation and
+    one mapping (`DeviceDriver.create_and_map_run`). The driver gives the run
+    back when the last of them is unmapped or freed; until then the others
+    keep their memory and contents, and one mapped again rejoins it."""
+
+    sizes: dict[int, int]  # member address -> bytes
+    mapped: set[int]  # addresses of the members in use
+
+    def alive(self) -> bool:
+        return bool(self.mapped)
+
+    def stranded(self) -> int:
+        """Bytes the run holds for members not in use (unmapped, or freed by
+        torch): they go with its last member in use."""
+        if not self.mapped:
+            return 0
+        return sum(size for address, size in self.sizes.items() if address not in self.mapped)
+
+
 @dataclasses.dataclass
 class Allocation:
     device: int
@@ -45,6 +66,23 @@ class Allocation:
     # What `host` holds, as int64 [blocks, lanes] fingerprints (memory.fingerprints)
     # of the backed-up bytes, block by block over the backup's pairs; None: unknown.
     fingerprints: torch.Tensor | None = None
+    # The run whose mapping backs this one, while the run is alive.
+    run: SharedRun | None = None
+
+    def unmapped(self) -> None:
+        """Records that the driver unmapped this allocation (or, for a member
+        of a run still in use, took it out of use)."""
+        self.mapped = False
+        if self.run is not None:
+            self.run.mapped.discard(self.address)
+
+    def mapped_again(self) -> None:
+        """Records that the driver mapped this allocation on its own: back in
+        its run if the run is still mapped (the driver reuses that memory)."""
+        if self.run is not None and self.run.alive():
+            self.run.mapped.add(self.address)
+        else:
+            self.run = None
 
     def drop_host(self) -> None:
         """Lets the host buffer go, with the coded pieces that view it."""
@@ -83,12 +121,14 @@ class AllocationTable:
 
     def on_free(self, address: int) -> tuple[int, int, bool]:
         allocation = self._by_address.pop(address)
-        if allocation.mapped:
+        mapped = allocation.mapped
+        if mapped:
             # The caching allocator may hand a block back while kernels queued
             # on other streams still use it; unmapping then would fault them.
             self._driver.synchronize(allocation.device)
+            allocation.unmapped()  # the extension unmaps it once this returns
         allocation.drop_host()
-        return allocation.size, allocation.handle, allocation.mapped
+        return allocation.size, allocation.handle, mapped
 
     # -- queries -----------------------------------------------------------
 
@@ -129,8 +169,14 @@ class AllocationTable:
         )
 
     def all_mapped_bytes(self) -> int:
-        """Bytes mapped, allocations of earlier engines included."""
-        return sum(a.size for a in self._by_address.values() if a.mapped)
+        """Bytes mapped, allocations of earlier engines included, and the
+        bytes runs hold for members no longer mapped there (`stranded_bytes`)."""
+        return sum(a.size for a in self._by_address.values() if a.mapped) + self.stranded_bytes()
+
+    def stranded_bytes(self) -> int:
+        """Device bytes that runs hold for members not in use (`SharedRun.stranded`)."""
+        runs = {id(a.run): a.run for a in self._by_address.values() if a.run is not None}
+        return sum(run.stranded() for run in runs.values())
 
     def bytes_by_tag(self) -> dict[str, int]:
         per_tag: dict[str, int] = {}

@@ -42,7 +42,7 @@ def release_backed_up(
     try:
         for allocation in backed_up:
             driver.unmap_and_release(*allocation.vmm_args())
-            allocation.mapped = False
+            allocation.unmapped()
             released.append(allocation)
     except Exception as error:
         note = backups.restore_after_failed_sleep(released, backed_up)
@@ -110,7 +110,7 @@ def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocat
             add(result.still_mapped, allocation.tag, allocation.size)
             result.failures.append(f"{allocation.address:#x}: {error}")
             continue
-        allocation.mapped = False
+        allocation.unmapped()
         allocation.has_backup = False
         add(result.dropped, allocation.tag, allocation.size)
     return result
@@ -190,7 +190,7 @@ def discard(driver: DeviceDriver, allocations: list[Allocation]) -> int:
         if allocation.mapped:
             driver.synchronize(allocation.device)
             driver.unmap_and_release(*allocation.vmm_args())
-            allocation.mapped = False
+            allocation.unmapped()
             freed += allocation.size
         allocation.drop_host()
         allocation.has_backup = False

@@ -10,6 +10,7 @@ With GRAPH_SLEEP_TEST_EXTENSION pointing at the rocm-on-cuda build
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import re
 import subprocess
@@ -88,18 +89,25 @@ def poisoned_remaps(alloc: GraphSleepAllocator, value: int = POISON):
     """Fills every freshly mapped range with `value` before wake continues, so
     that dropped memory cannot come back right by luck."""
     driver = alloc.driver
-    original = driver.create_and_map
+    original, original_run = driver.create_and_map, driver.create_and_map_run
 
     def create_map_and_poison(device, size, address, handle):
         original(device, size, address, handle)
         driver.device_bytes(device, address, size).fill_(value)
         torch.cuda.synchronize(device)
 
+    def create_map_run_and_poison(device, members):
+        original_run(device, members)
+        for size, address, _ in members:
+            driver.device_bytes(device, address, size).fill_(value)
+        torch.cuda.synchronize(device)
+
     driver.create_and_map = create_map_and_poison
+    driver.create_and_map_run = create_map_run_and_poison
     try:
         yield
     finally:
-        driver.create_and_map = original
+        driver.create_and_map, driver.create_and_map_run = original, original_run
 
 
 def allocation_of(alloc: GraphSleepAllocator, tensor: torch.Tensor):
@@ -205,6 +213,61 @@ def test_offloaded_tags_come_back_bit_exact_at_the_same_addresses():
         assert (weights.data_ptr(), runtime.data_ptr()) == pointers
         assert torch.equal(weights, expected_weights)
         assert torch.equal(runtime, expected_runtime)
+
+
+@cuda_path_only  # ROCm holds each sleeping range with a placeholder: no runs there
+@fresh_process
+def test_neighbouring_weights_wake_as_one_run_that_each_sleep_gives_back_whole():
+    alloc = manager()
+    torch.cuda.init()
+    with alloc.use_memory_pool("weights"):
+        weights = [
+            torch.randint(0, 255, (size * MIB,), dtype=torch.uint8, device="cuda")
+            for size in (64, 96, 160, 200)
+        ]
+    expected = [w.clone() for w in weights]
+    records = [allocation_of(alloc, w) for w in weights]
+    assert len({r.address for r in records}) == len(weights)
+    # Reserved one right after the other: neighbours.
+    ordered = sorted(records, key=lambda r: r.address)
+    assert all(a.address + a.size == b.address for a, b in itertools.pairwise(ordered))
+    free_awake, _ = torch.cuda.mem_get_info()
+    for cycle in range(3):
+        alloc.sleep(offload_tags=("weights",))
+        free_asleep, _ = torch.cuda.mem_get_info()
+        assert free_asleep - free_awake >= sum(r.size for r in records)
+        with poisoned_remaps(alloc):
+            alloc.wake_up()
+        # Every wake maps them with one allocation and one mapping.
+        runs = {id(r.run) for r in records}
+        assert len(runs) == 1 and records[0].run is not None, cycle
+        assert all(torch.equal(w, e) for w, e in zip(weights, expected, strict=True))
+        weights[0].add_(1)
+        expected[0].add_(1)
+
+    # A weight torch frees while the others stay mapped keeps its bytes on the
+    # device (said by all_mapped_bytes) until the next sleep gives the run back.
+    freed_address, freed_size = records[1].address, records[1].size
+    mapped_before = alloc.all_mapped_bytes()
+    del weights[1], expected[1], records[1]
+    torch.cuda.empty_cache()
+    assert freed_address not in alloc.allocations
+    assert alloc.all_mapped_bytes() == mapped_before
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.all_mapped_bytes() == 0
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep - free_awake >= sum(r.size for r in records) + freed_size
+    alloc.wake_up()
+    assert all(torch.equal(w, e) for w, e in zip(weights, expected, strict=True))
+
+    # Dropped (level 2) and woken: a run again, the bytes given back each time.
+    alloc.sleep(offload_tags=())
+    free_asleep, _ = torch.cuda.mem_get_info()
+    assert free_asleep - free_awake >= sum(r.size for r in records) + freed_size
+    alloc.wake_up()
+    assert records[1].run is not None and records[1].run is records[2].run
+    weights[0].fill_(7)
+    assert int(weights[0][-1]) == 7
 
 
 def test_an_allocation_of_1_gib_or_more_starts_at_a_multiple_of_1_gib_and_wakes_there():
@@ -716,14 +779,15 @@ def assert_a_sleeping_range_is_held(alloc: GraphSleepAllocator, reserve) -> None
 @cuda_path_only  # asks the CUDA driver directly; the ROCm path's twin is below
 @fresh_process
 def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back(capfd):
-    """While asleep the range is held (on ROCm by an empty placeholder
-    reservation), so no other mapping can take it before wake; freeing a
-    sleeping allocation gives the whole range back."""
+    """While asleep the range is held (on CUDA by the arena chunk it came
+    from, on ROCm by an empty placeholder reservation), so no other mapping
+    can take it before wake. Freeing a sleeping allocation gives its range
+    back to its chunk: nothing else can take it while the chunk lives, and the
+    extension does not hand it out again."""
     alloc = manager()
     library = allocator_library(alloc)
     # Control: on this driver a free range goes to whoever asks for it.
-    free_range = library.my_malloc(8 * MIB, 0, None)
-    library.my_free(free_range, 8 * MIB, 0, None)
+    free_range = reserve_elsewhere(0, 8 * MIB)
     assert reserve_elsewhere(free_range, 8 * MIB) == free_range
 
     assert_a_sleeping_range_is_held(alloc, reserve_elsewhere)
@@ -734,7 +798,50 @@ def test_nothing_else_can_take_a_sleeping_range_and_wake_gets_it_back(capfd):
     library.my_free(asleep, 8 * MIB, 0, None)
     assert "[vllm_graph_sleep]" not in capfd.readouterr().err
     assert asleep not in alloc.allocations
-    assert reserve_elsewhere(asleep, 8 * MIB) == asleep
+    assert reserve_elsewhere(asleep, 8 * MIB) != asleep
+    after = library.my_malloc(8 * MIB, 0, None)
+    assert after is not None and after != asleep
+    library.my_free(after, 8 * MIB, 0, None)
+
+
+@cuda_path_only  # ROCm reserves each range on its own
+@fresh_process
+def test_an_arena_chunk_goes_back_to_the_driver_once_it_is_done_and_its_ranges_are_freed():
+    """The CUDA path hands ranges out of large reservations one after another
+    and never twice, so that a wake can map neighbouring weights at once
+    (issue 38). A chunk that hands out no more ranges and has none out is
+    freed: address space freed by torch comes back to the driver."""
+    alloc = manager()
+    library = allocator_library(alloc)
+    free_bytes, _ = torch.cuda.mem_get_info()
+    size = min(32 * GIB, free_bytes // 2 // GIB * GIB)
+    assert size >= GIB
+
+    def hand_out_and_free() -> None:
+        # Maps its memory and gives it back: only the address space adds up.
+        address = library.my_malloc(size, 0, None)
+        assert address is not None
+        library.my_free(address, size, 0, None)
+
+    first = library.my_malloc(8 * MIB, 0, None)
+    library.my_free(first, 8 * MIB, 0, None)
+    assert reserve_elsewhere(first, 8 * MIB) != first  # its chunk still hands out ranges
+    # Until a newer chunk hands out ranges: then the first is given back.
+    calls = 0
+    while reserve_elsewhere(first, 8 * MIB) != first:
+        hand_out_and_free()
+        calls += 1
+        assert calls * size <= 1024 * GIB, "the first chunk was never given back"
+    assert calls > 1
+
+    # A range still out keeps its chunk after a newer one took over, and
+    # freeing it gives the chunk back.
+    kept = library.my_malloc(8 * MIB, 0, None)
+    for _ in range(calls):  # as many as the first chunk took: past this one
+        hand_out_and_free()
+    assert reserve_elsewhere(kept, 8 * MIB) != kept
+    library.my_free(kept, 8 * MIB, 0, None)
+    assert reserve_elsewhere(kept, 8 * MIB) == kept
 
 
 @rocm_on_cuda_only
