@@ -79,7 +79,8 @@ def test_save_gives_what_vllms_per_buffer_copies_give(caplog):
     count = len(list(model.named_buffers()))
     assert re.search(
         rf"saved the model's {count} buffers \(.+\) in 1 chunk\(s\) in [0-9.]+ ms "
-        r"\(queued [0-9.]+ ms, waiting for the device [0-9.]+ ms\)",
+        r"\(listed and placed [0-9.]+ ms, staging buffer [0-9.]+ ms, copies queued [0-9.]+ ms, "
+        r"waiting for the device [0-9.]+ ms, host views [0-9.]+ ms\)",
         caplog.text,
     )
     expected = {name: buffer.cpu().clone() for name, buffer in model.named_buffers()}
