@@ -15,14 +15,18 @@ allocator (lease 16, docs/results/sleep-speed-h100.md); for 129 such buffers
 on an H100, 2.9-3.0 ms per save against 0.9 ms gathered. In the engine the
 save still took 4.5-9.7 ms of the 8B's level-2 sleeps, 6.4-12.1 ms outside the
 allocator, most of it before the device's wait (lease 18): the log line times
-each step of it.
+each step of it, and the layout (places, staging buffer, host views) is kept
+from one save to the next, so that a run's first save (layout made) and the
+later ones (layout kept) say what making it costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -41,34 +45,47 @@ _ALIGNMENT = 64
 _CHUNK_BYTES = 8 << 20
 
 
+# A buffer's place in the staging buffer: (name, buffer, offset, bytes).
+_Placed = tuple[str, torch.Tensor, int, int]
+
+
 def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Name -> a host copy of each of `model.named_buffers()`, with its
     dtype, shape and contents, as vLLM's `buffer.cpu().clone()` gives it;
     those of strided buffers are views into one staging buffer (pinned where
     CUDA is), gathered per device into chunks, copied into it
-    asynchronously and waited for before returning."""
+    asynchronously and waited for before returning.
+
+    The staging buffer, the buffers' places in it and their host views are
+    kept for the model's next save while its buffers are the same tensors at
+    the same addresses, shapes and strides: that save copies into the same
+    host memory, which vLLM's wake has read back by then (one level-2 sleep
+    at a time; a failed sleep's save is taken again by its retry)."""
     started = time.perf_counter()
     buffers = list(model.named_buffers())
     strided = [(name, buffer) for name, buffer in buffers if buffer.layout == torch.strided]
-    chunks, total = _place(strided)
+    key = tuple(
+        (name, buffer.device, buffer.dtype, buffer.data_ptr(), buffer.shape, buffer.stride())
+        for name, buffer in strided
+    )
+    layout = _layouts.get(model)
+    kept = layout is not None and layout.key == key
     placed = time.perf_counter()
-    staging = _staging_buffer(total)
+    if not kept:
+        layout = _lay_out(key, strided)
+        _layouts[model] = layout
     staged = time.perf_counter()
-    for chunk in chunks:
-        _copy_chunk(chunk, staging)
+    for chunk, flat in zip(layout.chunks, layout.flat, strict=True):
+        _copy_chunk(chunk, flat, layout.staging)
     queued = time.perf_counter()
     # The wait also covers whatever the device still had queued before the save.
     for device in {buffer.device for _, buffer in strided if buffer.device.type == "cuda"}:
         torch.cuda.synchronize(device)
     waited = time.perf_counter()
-    saved = {
-        name: staging[offset : offset + size].view(buffer.dtype).reshape(buffer.shape)
-        for chunk in chunks
-        for name, buffer, offset, size in chunk
-    }
     # Sparse and other layouts: as vLLM copies them.
     result = {
-        name: saved[name] if name in saved else buffer.cpu().clone() for name, buffer in buffers
+        name: layout.views[name] if name in layout.views else buffer.cpu().clone()
+        for name, buffer in buffers
     }
     # Its own line: this runs in the worker, outside the allocator's sleep and
     # its log line, and was the most of that outside time (leases 16 and 18).
@@ -76,19 +93,56 @@ def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     laps = (started, placed, staged, queued, waited, time.perf_counter())
     logger.info(
         "graph-sleep level-2 sleep: saved the model's %d buffers (%s) in %d chunk(s) in %.1f ms "
-        "(listed and placed %.1f ms, staging buffer %.1f ms, copies queued %.1f ms, "
+        "(%s; listed %.1f ms, placed and staging buffer %.1f ms, copies queued %.1f ms, "
         "waiting for the device %.1f ms, host views %.1f ms)",
         len(buffers),
         format_bytes(sum(_nbytes(buffer) for _, buffer in buffers)),
-        len(chunks),
+        len(layout.chunks),
         1000 * (laps[-1] - laps[0]),
+        "layout kept" if kept else "layout made",
         *(1000 * (end - begin) for begin, end in itertools.pairwise(laps)),
     )
     return result
 
 
-# A buffer's place in the staging buffer: (name, buffer, offset, bytes).
-_Placed = tuple[str, torch.Tensor, int, int]
+@dataclasses.dataclass
+class _Layout:
+    """Where one model's strided buffers go in its staging buffer."""
+
+    key: tuple
+    chunks: list[list[_Placed]]
+    # Per chunk, each buffer's bytes as a flat view, or None where the buffer
+    # is not contiguous (its flat copy is made at each save).
+    flat: list[list[torch.Tensor | None]]
+    staging: torch.Tensor
+    views: dict[str, torch.Tensor]
+
+
+# Per model: the layout of its last save (gone with the model).
+_layouts: weakref.WeakKeyDictionary[torch.nn.Module, _Layout] = weakref.WeakKeyDictionary()
+
+
+def _lay_out(key: tuple, strided: list[tuple[str, torch.Tensor]]) -> _Layout:
+    chunks, total = _place(strided)
+    staging = _staging_buffer(total)
+    return _Layout(
+        key=key,
+        chunks=chunks,
+        flat=[
+            [_flat(buffer) if buffer.is_contiguous() else None for _, buffer, _, _ in chunk]
+            for chunk in chunks
+        ],
+        staging=staging,
+        views={
+            name: staging[offset : offset + size].view(buffer.dtype).reshape(buffer.shape)
+            for chunk in chunks
+            for name, buffer, offset, size in chunk
+        },
+    )
+
+
+def _flat(buffer: torch.Tensor) -> torch.Tensor:
+    return buffer.detach().reshape(-1).view(torch.uint8)
 
 
 def _nbytes(buffer: torch.Tensor) -> int:
@@ -124,11 +178,17 @@ def _place(strided: list[tuple[str, torch.Tensor]]) -> tuple[list[list[_Placed]]
     return chunks, total
 
 
-def _copy_chunk(chunk: list[_Placed], staging: torch.Tensor) -> None:
-    """Queues the bytes of `chunk`'s buffers into their places in `staging`:
-    gathered on their device and copied at once; one by one where the device
-    has no room for the gathered copy (the sleep goes on)."""
-    flat = [buffer.detach().reshape(-1).view(torch.uint8) for _, buffer, _, _ in chunk]
+def _copy_chunk(
+    chunk: list[_Placed], kept: list[torch.Tensor | None], staging: torch.Tensor
+) -> None:
+    """Queues the bytes of `chunk`'s buffers (`kept`: their flat views, None
+    where one is made now) into their places in `staging`: gathered on their
+    device and copied at once; one by one where the device has no room for
+    the gathered copy (the sleep goes on)."""
+    flat = [
+        view if view is not None else _flat(buffer)
+        for view, (_, buffer, _, _) in zip(kept, chunk, strict=True)
+    ]
     if len(flat) > 1:
         _, _, start, _ = chunk[0]
         _, _, last, size = chunk[-1]

@@ -79,8 +79,8 @@ def test_save_gives_what_vllms_per_buffer_copies_give(caplog):
     count = len(list(model.named_buffers()))
     assert re.search(
         rf"saved the model's {count} buffers \(.+\) in 1 chunk\(s\) in [0-9.]+ ms "
-        r"\(listed and placed [0-9.]+ ms, staging buffer [0-9.]+ ms, copies queued [0-9.]+ ms, "
-        r"waiting for the device [0-9.]+ ms, host views [0-9.]+ ms\)",
+        r"\(layout made; listed [0-9.]+ ms, placed and staging buffer [0-9.]+ ms, copies queued "
+        r"[0-9.]+ ms, waiting for the device [0-9.]+ ms, host views [0-9.]+ ms\)",
         caplog.text,
     )
     expected = {name: buffer.cpu().clone() for name, buffer in model.named_buffers()}
@@ -90,6 +90,40 @@ def test_save_gives_what_vllms_per_buffer_copies_give(caplog):
     _overwrite(model, 0xAB)
     for name, copy in saved.items():
         assert torch.equal(_bits(copy), _bits(expected[name])), name
+
+
+def test_the_next_save_keeps_the_layout_and_copies_the_buffers_as_they_are_now(caplog):
+    model = Model()
+    first = model_buffers.save(model)
+    first_bits = {name: _bits(copy).clone() for name, copy in first.items()}
+    _overwrite(model, 0x3C)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        second = model_buffers.save(model)
+    assert "layout kept" in caplog.text
+    _assert_same(second, model)
+    # Into the same host memory: the first save's copies were read back by then.
+    assert second["cos_sin"].data_ptr() == first["cos_sin"].data_ptr()
+    assert any(not torch.equal(_bits(second[n]), first_bits[n]) for n in first_bits)
+
+
+def test_a_buffer_replaced_or_reshaped_makes_a_new_layout(caplog):
+    model = Model()
+    model_buffers.save(model)
+    model.cos_sin = torch.randn(4, 5).bfloat16()  # a new tensor, another shape
+    model.ids = model.ids.t().contiguous()  # the same values, other strides
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        saved = model_buffers.save(model)
+    assert "layout made" in caplog.text and "layout kept" not in caplog.text
+    _assert_same(saved, model)
+
+
+def test_a_non_contiguous_buffer_is_copied_as_it_is_at_each_save():
+    model = Model()
+    assert not model.ids.is_contiguous()
+    model_buffers.save(model)
+    model.ids.add_(100)  # in place: same tensor, same layout
+    saved = model_buffers.save(model)
+    assert torch.equal(saved["ids"], model.ids)
 
 
 def test_hidden_shadows_named_buffers_only_inside():
