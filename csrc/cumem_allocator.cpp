@@ -21,11 +21,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <atomic>
 #include <cinttypes>
 #include <cstdio>
 #include <memory>
 #include <new>
+#include <pthread.h>
 #include <string>
 #include <sys/types.h>
 
@@ -216,22 +216,27 @@ struct ArenaChunk {
 constexpr size_t kArenaChunkBytes = size_t{256} << 30;
 constexpr size_t kGiB = size_t{1} << 30;
 
-// Guards the arena: my_malloc runs on any thread torch allocates from (one
-// lock per device in torch). Spins: it is held for a few instructions, and
-// takes no lock that could throw.
-std::atomic_flag g_arena_lock = ATOMIC_FLAG_INIT;
+// A lock that cannot throw (std::mutex may): nothing throws across the ABI.
+class Lock {
+ public:
+  explicit Lock(pthread_mutex_t* mutex) : mutex_(mutex) { pthread_mutex_lock(mutex_); }
+  ~Lock() { pthread_mutex_unlock(mutex_); }
+  Lock(const Lock&) = delete;
+  Lock& operator=(const Lock&) = delete;
+
+ private:
+  pthread_mutex_t* mutex_;
+};
+
+// Guards the arena: my_malloc and my_free run on any thread torch allocates
+// and frees from (one lock per device in torch).
+pthread_mutex_t g_arena_mutex = PTHREAD_MUTEX_INITIALIZER;
 ArenaChunk* g_arena = nullptr;  // the chunk handing out ranges now
 
-class ArenaLock {
- public:
-  ArenaLock() {
-    while (g_arena_lock.test_and_set(std::memory_order_acquire)) {
-    }
-  }
-  ~ArenaLock() { g_arena_lock.clear(std::memory_order_release); }
-  ArenaLock(const ArenaLock&) = delete;
-  ArenaLock& operator=(const ArenaLock&) = delete;
-};
+// Guards every run's bookkeeping and the `run` of every allocation: torch
+// may free a member (my_free) on its thread while a sleep or wake on another
+// unmaps or maps one of the same run. Taken before the arena's, never after.
+pthread_mutex_t g_run_mutex = PTHREAD_MUTEX_INITIALIZER;
 
 // Frees a chunk that hands out no more ranges and has none out (lock held).
 void retire_if_empty(ArenaChunk* chunk) {
@@ -245,7 +250,7 @@ void retire_if_empty(ArenaChunk* chunk) {
 
 // Takes `size` bytes starting at a multiple of `alignment` (at most 1 GiB).
 bool arena_take(size_t size, size_t alignment, uint64_t* address, ArenaChunk** taken) {
-  ArenaLock lock;
+  Lock lock(&g_arena_mutex);
   ArenaChunk* chunk = g_arena;
   size_t start = chunk == nullptr ? 0 : (chunk->used + alignment - 1) / alignment * alignment;
   if (chunk == nullptr || start + size > chunk->size) {
@@ -274,7 +279,7 @@ bool arena_take(size_t size, size_t alignment, uint64_t* address, ArenaChunk** t
 }
 
 void arena_give_back(ArenaChunk* chunk) {
-  ArenaLock lock;
+  Lock lock(&g_arena_mutex);
   --chunk->live;
   retire_if_empty(chunk);
 }
@@ -296,11 +301,12 @@ bool end_run(Run* run) {
     return false;
   }
   if (!succeeded(release_physical(run->physical))) {
-    const std::string release_error = t_last_error;
+    std::string release_error;  // swapped, not copied: no allocation that could throw
+    release_error.swap(t_last_error);
     if (succeeded(map_physical(run->base, run->size, run->physical))) {
       grant_read_write(run->base, run->size, run->device);
     }
-    t_last_error = release_error;
+    t_last_error.swap(release_error);
     return false;
   }
   for (size_t i = 0; i < run->count; ++i) {
@@ -352,17 +358,20 @@ bool leave_run(Allocation* allocation, bool freed) {
 }
 
 bool create_and_map(int device, size_t size, uint64_t address, Allocation* allocation) {
-  if (allocation->run != nullptr) {
-    // The run is still mapped (another range is in use), with this range's
-    // memory and contents: it is in use again.
-    RunSlot& slot = allocation->run->slots[allocation->slot];
-    if (slot.in_use) {
-      t_last_error = "create_and_map failed: the range is already mapped";
-      return false;
+  {
+    Lock lock(&g_run_mutex);
+    if (allocation->run != nullptr) {
+      // The run is still mapped (another range is in use), with this range's
+      // memory and contents: it is in use again.
+      RunSlot& slot = allocation->run->slots[allocation->slot];
+      if (slot.in_use) {
+        t_last_error = "create_and_map failed: the range is already mapped";
+        return false;
+      }
+      slot.in_use = true;
+      ++allocation->run->in_use;
+      return true;
     }
-    slot.in_use = true;
-    ++allocation->run->in_use;
-    return true;
   }
   if (!succeeded(bind_device(device))) {
     return false;
@@ -381,19 +390,23 @@ bool create_and_map(int device, size_t size, uint64_t address, Allocation* alloc
 // with its contents, so the caller's bookkeeping (and a sleep's rollback) can
 // treat a failed call as one that changed nothing.
 bool unmap_and_release(int device, size_t size, uint64_t address, Allocation* allocation) {
-  if (allocation->run != nullptr) {
-    return leave_run(allocation, false);
+  {
+    Lock lock(&g_run_mutex);
+    if (allocation->run != nullptr) {
+      return leave_run(allocation, false);
+    }
   }
   if (!succeeded(bind_device(device)) || !succeeded(unmap_physical(address, size))) {
     return false;
   }
   if (!succeeded(release_physical(allocation->physical))) {
-    const std::string release_error = t_last_error;
+    std::string release_error;  // swapped, not copied: no allocation that could throw
+    release_error.swap(t_last_error);
     // Same physical memory, same address: nothing was lost yet.
     if (succeeded(map_physical(address, size, allocation->physical))) {
       grant_read_write(address, size, device);
     }
-    t_last_error = release_error;
+    t_last_error.swap(release_error);
     return false;
   }
   if (kPlaceholderWhileAsleep) {
@@ -412,6 +425,7 @@ struct RunMember {
 // mapped nor in a run, with one physical allocation and one mapping (Run).
 // All or nothing, like map_fresh_memory.
 bool map_run(int device, const RunMember* members, size_t count) {
+  Lock lock(&g_run_mutex);
   if (kPlaceholderWhileAsleep) {
     // Each range asleep is held by a placeholder of its own.
     t_last_error = "map_run failed: not on this platform";
@@ -616,26 +630,37 @@ GRAPH_SLEEP_EXPORT void my_free(void* ptr, ssize_t /*size*/, int device, StreamH
     report("my_free");
     return;
   }
-  if (!succeeded(bind_device(device))) {
-    report("my_free");
-  } else {
+  {
+    Lock lock(&g_run_mutex);
     if (order.allocation->run != nullptr) {
       // The run's mapping covers the range until the run ends, which frees
-      // its reservation then.
+      // its reservation then (end_run binds the device itself).
       if (!leave_run(order.allocation, true)) {
         report("my_free");
       }
-    } else {
-      if (order.mapped && (!succeeded(unmap_physical(address, order.size)) ||
-                           !succeeded(release_physical(order.allocation->physical)))) {
+      delete order.allocation;
+      return;
+    }
+  }
+  if (!succeeded(bind_device(device))) {
+    // Leaks the range (and keeps its arena chunk) rather than give back a
+    // range that may still be mapped.
+    report("my_free");
+  } else {
+    bool still_mapped = false;
+    if (order.mapped) {
+      if (!succeeded(unmap_physical(address, order.size))) {
+        report("my_free");
+        still_mapped = true;  // its range stays taken: nothing may map there
+      } else if (!succeeded(release_physical(order.allocation->physical))) {
         report("my_free");
       }
-      // Asleep, the range is held by its placeholder on ROCm, or by nothing if
-      // the placeholder was lost.
-      if (order.allocation->range_held &&
-          !give_back_range(order.allocation->chunk, address, order.size)) {
-        report("my_free");
-      }
+    }
+    // Asleep, the range is held by its placeholder on ROCm, or by nothing if
+    // the placeholder was lost.
+    if (!still_mapped && order.allocation->range_held &&
+        !give_back_range(order.allocation->chunk, address, order.size)) {
+      report("my_free");
     }
   }
   delete order.allocation;

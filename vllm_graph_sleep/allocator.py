@@ -62,6 +62,7 @@ from vllm_graph_sleep.memory.backups import (
     resolve_keeping,
 )
 from vllm_graph_sleep.memory.driver import DeviceDriver, MemoryPool
+from vllm_graph_sleep.memory.mapping import take_runs_apart
 from vllm_graph_sleep.memory.records import (
     BUILTIN_TAGS,
     DEFAULT_TAG,
@@ -281,7 +282,9 @@ class GraphSleepAllocator:
         return self.table.all_mapped_bytes()
 
     def orphan_leftovers(self) -> int:
-        """Marks every allocation as left by an earlier engine; returns their bytes."""
+        """Marks every allocation as left by an earlier engine, each in a run
+        mapped on its own first (`take_runs_apart`); returns their bytes."""
+        take_runs_apart(self._driver, self.table.all())
         return self.table.orphan_all()
 
     def mapped_bytes(self, tag: str | None = None) -> int:

@@ -156,3 +156,61 @@ def test_a_chain_the_driver_finds_apart_maps_one_by_one_and_runs_stay_on():
     manager.sleep(offload_tags=("weights",))
     manager.wake_up()
     assert driver.run_calls == [list(weights)] and exact(driver, weights)
+
+
+def test_a_leftover_of_an_earlier_engine_is_taken_out_of_its_run_with_its_contents():
+    # Engine 1 woke (runs formed) and shut down; something still references
+    # one small weight. Its run would hold every freed weight with it.
+    driver, manager, weights, kv = weights_and_kv(sizes=(4, 8, 200, 2))
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    leftover = list(weights)[-1]
+    for address in [*list(weights)[:-1], kv]:
+        driver.free(address)
+    assert manager.all_mapped_bytes() == driver.used_bytes() == 214 * MIB
+    assert manager.orphan_leftovers() == 2 * MIB
+    assert manager.all_mapped_bytes() == driver.used_bytes() == 2 * MIB
+    assert leftover not in driver.run_of
+    assert bool((driver.read(leftover) == weights[leftover]).all())
+    # Never in a run again, nor in the next engine's sleeps.
+    fresh = {allocate(driver, manager, "weights", 4): 9, allocate(driver, manager, "weights", 4): 7}
+    for address, value in fresh.items():
+        driver.write(address, value)
+    calls_before = len(driver.run_calls)
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    assert driver.run_calls[calls_before:] == [list(fresh)]
+    assert exact(driver, fresh) and bool((driver.read(leftover) == weights[leftover]).all())
+
+
+def test_a_run_of_leftovers_the_driver_keeps_stays_mapped_with_their_contents(caplog):
+    driver, manager, weights, _ = weights_and_kv(sizes=(4, 8, 2, 2))
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    kept = list(weights)[2:]
+    for address in list(weights)[:2]:
+        driver.free(address)
+    driver.fail("unmap_and_release", address=kept[-1])  # the run's last one out
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        manager.orphan_leftovers()
+    assert "could not be given back" in caplog.text
+    assert all(driver.run_of.get(a) is driver.run_of[kept[0]] for a in kept)
+    assert manager.all_mapped_bytes() == driver.used_bytes()
+    assert all(bool((driver.read(a) == weights[a]).all()) for a in kept)
+
+
+def test_an_allocation_counts_as_mapped_as_soon_as_a_wake_maps_it():
+    # torch may free a segment while the wake goes on (a cache release between
+    # a coded wake's phases): the extension must then unmap it.
+    driver, manager, weights, kv = weights_and_kv()
+    manager.sleep(offload_tags=("weights",))
+    seen: list[bool] = []
+    original = driver.create_and_map
+
+    def create_and_map(device, size, address, handle):
+        original(device, size, address, handle)
+        seen.append(all(manager.allocations[a].mapped for a in weights))
+
+    driver.create_and_map = create_and_map
+    manager.wake_up()
+    assert seen and all(seen)  # the weights' run, before the KV cache maps

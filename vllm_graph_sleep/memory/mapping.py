@@ -106,4 +106,53 @@ class WakeMapper:
         )
         for allocation in run:
             allocation.run = shared
+            allocation.mapped = True  # at once, as mapped_again records it
         return True
+
+
+def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> int:
+    """Maps each of `leftovers` (what an earlier engine still references)
+    that is in a run holding memory for others (freed since) on its own, with
+    its contents, so that the run's memory goes: a leftover never sleeps
+    again, and its run would hold the rest (up to every weight of that
+    engine) until it dies. Returns the bytes given back. A run the driver
+    will not give back stays as it was (its members back in use), with a
+    warning."""
+    runs: dict[int, list[Allocation]] = {}
+    for allocation in leftovers:
+        run = allocation.run
+        if allocation.mapped and run is not None and run.stranded():
+            runs.setdefault(id(run), []).append(allocation)
+    freed = 0
+    for members in runs.values():
+        stranded = members[0].run.stranded()  # type: ignore[union-attr]
+        contents = [
+            driver.device_bytes(a.device, a.address, a.size).to("cpu", copy=True) for a in members
+        ]
+        left: list[Allocation] = []
+        try:
+            for allocation in members:
+                driver.unmap_and_release(*allocation.vmm_args())
+                allocation.unmapped()
+                left.append(allocation)
+        except RuntimeError as error:
+            # The run is still mapped with every member's contents: they rejoin it.
+            for allocation in left:
+                driver.create_and_map(*allocation.vmm_args())
+                allocation.mapped_again()
+            logger.warning(
+                "graph-sleep: a run of an earlier engine's weights could not be given back "
+                "(%s); it keeps %d bytes of freed weights mapped until its leftovers die",
+                error,
+                stranded,
+            )
+            continue
+        for allocation, content in zip(members, contents, strict=True):
+            driver.create_and_map(*allocation.vmm_args())
+            allocation.mapped_again()
+            driver.device_bytes(allocation.device, allocation.address, allocation.size).copy_(
+                content
+            )
+        driver.synchronize(members[0].device)
+        freed += stranded
+    return freed

@@ -78,7 +78,11 @@ class Allocation:
 
     def mapped_again(self) -> None:
         """Records that the driver mapped this allocation on its own: back in
-        its run if the run is still mapped (the driver reuses that memory)."""
+        its run if the run is still mapped (the driver reuses that memory).
+        Recorded at once, not at the end of a wake: torch may free it before
+        (a cache release between a coded wake's phases), and the extension
+        must then unmap it."""
+        self.mapped = True
         if self.run is not None and self.run.alive():
             self.run.mapped.add(self.address)
         else:
