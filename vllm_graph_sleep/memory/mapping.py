@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from vllm_graph_sleep.memory.records import WEIGHTS_TAG, Allocation, SharedRun
+from vllm_graph_sleep.units import format_bytes
 
 if TYPE_CHECKING:
     from vllm_graph_sleep.memory.driver import DeviceDriver
@@ -110,22 +111,21 @@ class WakeMapper:
         return True
 
 
-def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> int:
+def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> None:
     """Maps each of `leftovers` (what an earlier engine still references)
     that is in a run holding memory for others (freed since) on its own, with
     its contents, so that the run's memory goes: a leftover never sleeps
     again, and its run would hold the rest (up to every weight of that
-    engine) until it dies. Returns the bytes given back. A run the driver
-    will not give back stays as it was (its members back in use), with a
-    warning."""
-    runs: dict[int, list[Allocation]] = {}
+    engine) until it dies. A run the driver will not give back stays as it
+    was (its members back in use), with a warning."""
+    runs: dict[int, tuple[SharedRun, list[Allocation]]] = {}
     for allocation in leftovers:
         run = allocation.run
         if allocation.mapped and run is not None and run.stranded():
-            runs.setdefault(id(run), []).append(allocation)
+            runs.setdefault(id(run), (run, []))[1].append(allocation)
     freed = 0
-    for members in runs.values():
-        stranded = members[0].run.stranded()  # type: ignore[union-attr]
+    for run, members in runs.values():
+        stranded = run.stranded()
         contents = [
             driver.device_bytes(a.device, a.address, a.size).to("cpu", copy=True) for a in members
         ]
@@ -142,9 +142,9 @@ def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> int:
                 allocation.mapped_again()
             logger.warning(
                 "graph-sleep: a run of an earlier engine's weights could not be given back "
-                "(%s); it keeps %d bytes of freed weights mapped until its leftovers die",
+                "(%s); it keeps %s of freed weights mapped until its leftovers die",
                 error,
-                stranded,
+                format_bytes(stranded),
             )
             continue
         for allocation, content in zip(members, contents, strict=True):
@@ -155,4 +155,9 @@ def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> int:
             )
         driver.synchronize(members[0].device)
         freed += stranded
-    return freed
+    if freed:
+        logger.info(
+            "graph-sleep: mapped an earlier engine's leftovers on their own, which gave back "
+            "%s of freed weights their runs held",
+            format_bytes(freed),
+        )
