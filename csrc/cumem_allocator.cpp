@@ -293,20 +293,31 @@ bool give_back_range(ArenaChunk* chunk, uint64_t address, size_t size) {
   return succeeded(free_address(address, size));
 }
 
+// Unmaps `physical` from [address, address + size) and releases it. All or
+// nothing: a failed release maps the same memory back at the same address
+// (nothing was lost yet), so the caller can treat a failure as no change.
+bool unmap_and_release_physical(int device, uint64_t address, size_t size,
+                                PhysicalHandle physical) {
+  if (!succeeded(bind_device(device)) || !succeeded(unmap_physical(address, size))) {
+    return false;
+  }
+  if (!succeeded(release_physical(physical))) {
+    std::string release_error;  // swapped, not copied: no allocation that could throw
+    release_error.swap(t_last_error);
+    if (succeeded(map_physical(address, size, physical))) {
+      grant_read_write(address, size, device);
+    }
+    t_last_error.swap(release_error);
+    return false;
+  }
+  return true;
+}
+
 // Unmaps and releases a run whose last range leaves it, then frees the
 // reservations of the ranges torch freed meanwhile and detaches the others.
 // All or nothing: on failure the run is mapped as before.
 bool end_run(Run* run) {
-  if (!succeeded(bind_device(run->device)) || !succeeded(unmap_physical(run->base, run->size))) {
-    return false;
-  }
-  if (!succeeded(release_physical(run->physical))) {
-    std::string release_error;  // swapped, not copied: no allocation that could throw
-    release_error.swap(t_last_error);
-    if (succeeded(map_physical(run->base, run->size, run->physical))) {
-      grant_read_write(run->base, run->size, run->device);
-    }
-    t_last_error.swap(release_error);
+  if (!unmap_and_release_physical(run->device, run->base, run->size, run->physical)) {
     return false;
   }
   for (size_t i = 0; i < run->count; ++i) {
@@ -396,17 +407,7 @@ bool unmap_and_release(int device, size_t size, uint64_t address, Allocation* al
       return leave_run(allocation, false);
     }
   }
-  if (!succeeded(bind_device(device)) || !succeeded(unmap_physical(address, size))) {
-    return false;
-  }
-  if (!succeeded(release_physical(allocation->physical))) {
-    std::string release_error;  // swapped, not copied: no allocation that could throw
-    release_error.swap(t_last_error);
-    // Same physical memory, same address: nothing was lost yet.
-    if (succeeded(map_physical(address, size, allocation->physical))) {
-      grant_read_write(address, size, device);
-    }
-    t_last_error.swap(release_error);
+  if (!unmap_and_release_physical(device, address, size, allocation->physical)) {
     return false;
   }
   if (kPlaceholderWhileAsleep) {

@@ -529,8 +529,7 @@ class GraphSleepAllocator:
                 "held elsewhere and retry."
             ) from error
 
-        for allocation in mapped:
-            allocation.mapped = True
+        for allocation in mapped:  # each recorded as mapped as the mapping went
             allocation.has_backup = False
             if self.release_host_memory:
                 allocation.drop_host()

@@ -529,7 +529,6 @@ class Backups:
                     format_bytes(allocation.size),
                 )
                 continue
-            allocation.mapped = True
             restored.append(allocation)
         note = ""
         try:
@@ -562,7 +561,6 @@ class Backups:
                     allocation.address,
                     format_bytes(allocation.size),
                 )
-                allocation.mapped = True
                 allocation.has_backup = False
 
     def wait_for_devices(self, allocations: list[Allocation], who: str) -> None:

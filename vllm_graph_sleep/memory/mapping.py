@@ -106,8 +106,7 @@ class WakeMapper:
             mapped={allocation.address for allocation in run},
         )
         for allocation in run:
-            allocation.run = shared
-            allocation.mapped = True  # at once, as mapped_again records it
+            allocation.mapped_in(shared)
         return True
 
 

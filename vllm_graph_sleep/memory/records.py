@@ -76,6 +76,11 @@ class Allocation:
         if self.run is not None:
             self.run.mapped.discard(self.address)
 
+    def mapped_in(self, run: SharedRun) -> None:
+        """Records that the driver mapped this allocation as a member of `run`."""
+        self.mapped = True
+        self.run = run
+
     def mapped_again(self) -> None:
         """Records that the driver mapped this allocation on its own: back in
         its run if the run is still mapped (the driver reuses that memory).
