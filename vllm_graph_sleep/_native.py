@@ -154,15 +154,16 @@ class VmmDriver:
                 for block in segment["blocks"]
                 if block["state"] != "inactive"
             ]
-            for segment in torch.cuda.memory_snapshot()
+            for segment in torch.cuda.memory_snapshot(include_traces=False)
             if segment["address"] in addresses
         }
 
     def torch_segments(self) -> list[tuple[int, int, int]]:
         """(address, stream, bytes in use) of every segment torch's allocator holds."""
-        return [
-            (s["address"], s["stream"], s["allocated_size"]) for s in torch.cuda.memory_snapshot()
-        ]
+        # Without the trace ring (up to 100,000 entries while torch records
+        # memory history): every sleep asks this.
+        segments = torch.cuda.memory_snapshot(include_traces=False)
+        return [(s["address"], s["stream"], s["allocated_size"]) for s in segments]
 
     def create_blas_workspace(self) -> None:
         # torch makes the cuBLAS workspace of (handle, current stream) when it

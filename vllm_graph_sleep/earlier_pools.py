@@ -27,7 +27,7 @@ def remember_pools_of_earlier_engines() -> None:
         return
     _pools_of_earlier_engines = frozenset(
         tuple(segment["segment_pool_id"])
-        for segment in torch.cuda.memory_snapshot()
+        for segment in torch.cuda.memory_snapshot(include_traces=False)
         if tuple(segment["segment_pool_id"]) != ORDINARY_POOL
     )
 

@@ -45,7 +45,7 @@ def memory_report(worker: Any) -> dict[str, Any]:
     serves it, torch's own reserved memory, the driver's view, and the ledger
     of what its GPU holds and why (vllm_graph_sleep.ledger)."""
     free, total = torch.cuda.mem_get_info()
-    segments = torch.cuda.memory_snapshot()
+    segments = torch.cuda.memory_snapshot(include_traces=False)
     report: dict[str, Any] = {
         "graph_offload_active": config.is_active(),
         "pid": os.getpid(),

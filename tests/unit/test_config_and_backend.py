@@ -578,7 +578,7 @@ def test_probe_remembers_pools_only_where_cuda_is_already_up(monkeypatch):
         {"segment_pool_id": (0, 0), "address": 0x1000, "total_size": 1 << 20},
         {"segment_pool_id": (0, 7), "address": 0x4000, "total_size": 8 << 20},
     ]
-    monkeypatch.setattr(earlier_pools.torch.cuda, "memory_snapshot", lambda: segments)
+    monkeypatch.setattr(earlier_pools.torch.cuda, "memory_snapshot", lambda **_: segments)
     monkeypatch.setattr(earlier_pools, "_pools_of_earlier_engines", frozenset())
     monkeypatch.setattr(earlier_pools.torch.cuda, "is_initialized", lambda: True)
     earlier_pools.remember_pools_of_earlier_engines()
@@ -587,7 +587,7 @@ def test_probe_remembers_pools_only_where_cuda_is_already_up(monkeypatch):
     # A fresh worker process: nothing earlier, and CUDA is not started here.
     monkeypatch.setattr(earlier_pools.torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(
-        earlier_pools.torch.cuda, "memory_snapshot", lambda: pytest.fail("CUDA started")
+        earlier_pools.torch.cuda, "memory_snapshot", lambda **_: pytest.fail("CUDA started")
     )
     earlier_pools.remember_pools_of_earlier_engines()
     assert earlier_pools.pools_of_earlier_engines() == frozenset()
