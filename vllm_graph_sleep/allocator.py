@@ -400,7 +400,8 @@ class GraphSleepAllocator:
         """Backs up `offload_tags` (default: "default") to host, drops the rest;
         with `kv_cache_cleared`, a dropped KV cache is released on a thread of
         its own, from the moment the backup's fingerprints are queued, while
-        this one backs up and releases the rest (release.EarlyDrop).
+        this one backs up the weights and releases the rest; at level 2 (no
+        weights backed up) with the rest, on this thread (EarlyDrop.split).
 
         Transactional up to the first drop: a failure while backing up, or
         while releasing memory that has a backup, maps back what was released
@@ -423,9 +424,7 @@ class GraphSleepAllocator:
         awake = [allocation for allocation in self.table.live() if allocation.mapped]
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
-        early_tag = KV_CACHE_TAG if kv_cache_cleared else None
-        early = EarlyDrop(self._driver, [a for a in to_drop if a.tag == early_tag])
-        to_drop = [a for a in to_drop if a.tag != early_tag]
+        early, to_drop = EarlyDrop.split(self._driver, to_back_up, to_drop, kv_cache_cleared)
         try:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()

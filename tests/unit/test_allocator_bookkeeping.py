@@ -706,6 +706,29 @@ def test_the_backend_releases_the_kv_cache_on_a_thread_of_its_own(install_alloca
     assert driver.unmap_threads == {weights: "MainThread", kv: "graph-sleep-kv-release"}
 
 
+def test_a_level_2_sleep_releases_a_cleared_kv_cache_on_its_own_thread_with_the_rest(
+    install_allocator, caplog
+):
+    from vllm_graph_sleep.backend import GraphSleepBackend
+
+    driver, manager = make()
+    install_allocator(manager)
+    weights = allocate(driver, manager, "weights", value=1)
+    kv = allocate(driver, manager, "kv_cache", value=2)
+    graph = allocate(driver, manager, "cudagraph", value=3)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        GraphSleepBackend().suspend(level=2)
+    # No weights to back up: nothing for a second thread to overlap.
+    assert driver.unmap_threads == {weights: "MainThread", kv: "MainThread", graph: "MainThread"}
+    assert "on its thread" not in caplog.text
+    assert "dropped kv_cache" in caplog.text and manager.mapped_bytes() == 0
+    GraphSleepBackend().resume()
+    assert bool((driver.read(graph) == 3).all())
+    # The next level-1 sleep backs the weights up and uses the thread again.
+    GraphSleepBackend().suspend(level=1)
+    assert driver.unmap_threads[kv] == "graph-sleep-kv-release"
+
+
 def test_a_drop_that_fails_finishes_the_sleep_and_wake_restores_everything(setup, caplog):
     driver, manager, addresses = setup
     driver.fail("unmap_and_release", after=2)  # weights, cudagraph released; kv_cache fails

@@ -1,8 +1,9 @@
 """Unmapping: the half of a sleep that releases: a KV cache the caller has
-cleared, on a thread of its own while the backup runs (EarlyDrop); then the allocations that have a
-host backup, all or none (a failure maps back what went); then the other ones
-dropped without a backup, as many as the driver lets go; and a discard. Holds
-no state past a sleep: what is mapped lives on each allocation's record."""
+cleared, on a thread of its own while the weights' backup runs (EarlyDrop);
+then the allocations that have a host backup, all or none (a failure maps back
+what went); then the other ones dropped without a backup, as many as the
+driver lets go; and a discard. Holds no state past a sleep: what is mapped
+lives on each allocation's record."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from vllm_graph_sleep.memory.records import KV_CACHE_TAG, Allocation, add
+from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
 from vllm_graph_sleep.memory.report import PhaseClock, describe
 from vllm_graph_sleep.units import format_bytes
 
@@ -124,7 +125,8 @@ class EarlyDrop:
     following it. It starts once the backup's fingerprints are queued: the
     driver makes another thread's allocations and synchronous copies wait
     for a release, though not its kernel launches
-    (docs/results/sleep-speed-h100.md). The thread owns these allocations'
+    (docs/results/sleep-speed-h100.md). Only a sleep that backs up weights
+    has one (`split`). The thread owns these allocations'
     records from `start` to `finish`; after a failed sleep `undo` maps the
     cache back, filled like after a wake."""
 
@@ -135,6 +137,26 @@ class EarlyDrop:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._seconds = 0.0
+
+    @classmethod
+    def split(
+        cls,
+        driver: DeviceDriver,
+        to_back_up: list[Allocation],
+        to_drop: list[Allocation],
+        kv_cache_cleared: bool,
+    ) -> tuple[EarlyDrop, list[Allocation]]:
+        """The KV cache's early drop for a sleep that backs up `to_back_up`
+        and drops `to_drop`, and what the sleep's thread drops itself. Only a
+        sleep that backs up weights has one: without their copies to overlap
+        the thread only adds contention, as the driver serialises the two
+        threads' releases (the 8B's level-2 sleeps were shorter on one thread,
+        each of three against each of three in one run: lease 20 in
+        docs/results/sleep-speed-h100.md)."""
+        backs_up_weights = any(allocation.tag == WEIGHTS_TAG for allocation in to_back_up)
+        early_tag = KV_CACHE_TAG if kv_cache_cleared and backs_up_weights else None
+        early = [allocation for allocation in to_drop if allocation.tag == early_tag]
+        return cls(driver, early), [a for a in to_drop if a.tag != early_tag]
 
     def start(self) -> None:
         if self.allocations:
