@@ -706,7 +706,7 @@ def test_the_backend_releases_the_kv_cache_on_a_thread_of_its_own(install_alloca
     assert driver.unmap_threads == {weights: "MainThread", kv: "graph-sleep-kv-release"}
 
 
-def test_a_level_2_sleep_releases_a_cleared_kv_cache_on_its_own_thread_with_the_rest(
+def test_a_level_2_sleep_releases_a_cleared_kv_cache_with_the_rest_on_the_sleeps_thread(
     install_allocator, caplog
 ):
     from vllm_graph_sleep.backend import GraphSleepBackend

@@ -153,10 +153,10 @@ class EarlyDrop:
         threads' releases (the 8B's level-2 sleeps were shorter on one thread,
         each of three against each of three in one run: lease 20 in
         docs/results/sleep-speed-h100.md)."""
-        backs_up_weights = any(allocation.tag == WEIGHTS_TAG for allocation in to_back_up)
-        early_tag = KV_CACHE_TAG if kv_cache_cleared and backs_up_weights else None
-        early = [allocation for allocation in to_drop if allocation.tag == early_tag]
-        return cls(driver, early), [a for a in to_drop if a.tag != early_tag]
+        if not (kv_cache_cleared and any(a.tag == WEIGHTS_TAG for a in to_back_up)):
+            return cls(driver, []), to_drop
+        early = [allocation for allocation in to_drop if allocation.tag == KV_CACHE_TAG]
+        return cls(driver, early), [a for a in to_drop if a.tag != KV_CACHE_TAG]
 
     def start(self) -> None:
         if self.allocations:
