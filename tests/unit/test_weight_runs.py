@@ -9,6 +9,7 @@ import pytest
 
 from tests.unit.fake_vmm import FakeVmmDriver
 from vllm_graph_sleep.allocator import GraphSleepAllocator, SleepError, WakeUpError
+from vllm_graph_sleep.patches.v1_worker_gpu_worker import orphan_leftovers
 
 MIB = 1 << 20
 
@@ -199,6 +200,32 @@ def test_a_run_of_leftovers_the_driver_keeps_stays_mapped_with_their_contents(ca
     assert all(driver.run_of.get(a) is driver.run_of[kept[0]] for a in kept)
     assert manager.all_mapped_bytes() == driver.used_bytes()
     assert all(bool((driver.read(a) == weights[a]).all()) for a in kept)
+
+
+def test_a_leftover_that_cannot_be_mapped_again_keeps_its_contents_until_the_next_start():
+    # Two leftovers share a run with freed weights; once the run is given
+    # back, the driver refuses to map the second one again on its own.
+    driver, manager, weights, kv = weights_and_kv(sizes=(4, 8, 200, 2, 2))
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    first, second = list(weights)[-2:]
+    for address in [*list(weights)[:-2], kv]:
+        driver.free(address)
+    driver.fail("create_and_map", after=1)
+    with pytest.raises(RuntimeError, match=r"1 of an earlier engine's leftovers \(2.00 MiB\)"):
+        orphan_leftovers(manager)  # the next engine's init_device
+    # Nothing of the freed weights is held, nothing is set apart unmapped,
+    # and the count says what is mapped.
+    assert driver.used_bytes() == manager.all_mapped_bytes() == 2 * MIB
+    assert bool((driver.read(first) == weights[first]).all())
+    assert not manager.allocations[second].mapped
+    assert not any(a.orphaned for a in manager.allocations.values())
+    # The start after it maps the leftover back, with its contents.
+    orphan_leftovers(manager)
+    assert driver.used_bytes() == manager.all_mapped_bytes() == 4 * MIB
+    assert all(bool((driver.read(a) == weights[a]).all()) for a in (first, second))
+    assert all(manager.allocations[a].orphaned for a in (first, second))
+    assert second not in driver.run_of
 
 
 def test_an_allocation_counts_as_mapped_as_soon_as_a_wake_maps_it():

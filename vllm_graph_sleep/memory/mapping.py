@@ -11,6 +11,8 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import torch
+
 from vllm_graph_sleep.memory.records import WEIGHTS_TAG, Allocation, SharedRun
 from vllm_graph_sleep.units import format_bytes
 
@@ -116,13 +118,18 @@ def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> None:
     its contents, so that the run's memory goes: a leftover never sleeps
     again, and its run would hold the rest (up to every weight of that
     engine) until it dies. A run the driver will not give back stays as it
-    was (its members back in use), with a warning."""
+    was (its members back in use), with a warning. A leftover the driver
+    will not map again once its run is gone keeps its contents as its host
+    backup, so that a wake brings it back whole, and RuntimeError says so:
+    unmapped, it must not be set apart (a reader would fault on it)."""
     runs: dict[int, tuple[SharedRun, list[Allocation]]] = {}
     for allocation in leftovers:
         run = allocation.run
         if allocation.mapped and run is not None and run.stranded():
             runs.setdefault(id(run), (run, []))[1].append(allocation)
     freed = 0
+    unmapped: list[Allocation] = []
+    failure: RuntimeError | None = None
     for run, members in runs.values():
         stranded = run.stranded()
         contents = [
@@ -135,7 +142,9 @@ def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> None:
                 allocation.unmapped()
                 left.append(allocation)
         except RuntimeError as error:
-            # The run is still mapped with every member's contents: they rejoin it.
+            # Only the last member in use gives the run back, so the run is
+            # still mapped with every member's contents: they rejoin it, which
+            # the extension records without a driver call.
             for allocation in left:
                 driver.create_and_map(*allocation.vmm_args())
                 allocation.mapped_again()
@@ -147,7 +156,13 @@ def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> None:
             )
             continue
         for allocation, content in zip(members, contents, strict=True):
-            driver.create_and_map(*allocation.vmm_args())
+            try:
+                driver.create_and_map(*allocation.vmm_args())
+            except RuntimeError as error:
+                failure = failure or error
+                keep_as_backup(allocation, content)
+                unmapped.append(allocation)
+                continue
             allocation.mapped_again()
             driver.device_bytes(allocation.device, allocation.address, allocation.size).copy_(
                 content
@@ -160,3 +175,21 @@ def take_runs_apart(driver: DeviceDriver, leftovers: list[Allocation]) -> None:
             "%s of freed weights their runs held",
             format_bytes(freed),
         )
+    if failure is not None:
+        raise RuntimeError(
+            f"graph-sleep: {len(unmapped)} of an earlier engine's leftovers "
+            f"({format_bytes(sum(a.size for a in unmapped))}) were taken out of their run but "
+            f"could not be mapped again on their own: {failure}. Their contents are kept on "
+            "the host; the next engine started in this process maps them back once the "
+            "device has the memory"
+        ) from failure
+
+
+def keep_as_backup(allocation: Allocation, content: torch.Tensor) -> None:
+    """Makes `content` (the whole allocation's bytes, on the host) the
+    backup a wake restores it from."""
+    allocation.drop_host()
+    allocation.host = content
+    allocation.backup_ranges = None
+    allocation.has_backup = True
+    allocation.run = None  # given back: the next wake maps it on its own

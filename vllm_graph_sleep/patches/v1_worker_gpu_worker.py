@@ -118,9 +118,10 @@ def orphan_leftovers(allocator: GraphSleepAllocator) -> None:
     """A new engine starts on an empty allocator (vLLM asserts it when it loads
     the weights). What an earlier engine of this process still holds (vLLM keeps
     some module-level caches, e.g. rotary tables) is set apart: never slept, not
-    counted, freed when its tensors die. If that engine was shut down asleep,
+    counted, freed when its tensors die. If that engine was shut down asleep
+    (or an earlier start could not map a leftover again: take_runs_apart),
     it is mapped back first (a reader would fault on it), from its host copy
-    where the sleep kept one; the log says what came back without its contents."""
+    where one was kept; the log says what came back without its contents."""
     if not allocator.allocated_addresses():
         return
     allocator.release_pools()
@@ -134,11 +135,15 @@ def orphan_leftovers(allocator: GraphSleepAllocator) -> None:
             allocator.wake_up()
         except WakeUpError as error:
             raise RuntimeError(
-                "graph-sleep: an earlier engine in this process was shut down asleep, and "
-                f"what it left referenced could not be mapped back: {error}. Free the device "
+                "graph-sleep: what an earlier engine in this process left referenced is "
+                "unmapped (it was shut down asleep, or an earlier start could not map it "
+                f"again) and could not be mapped back: {error}. Free the device "
                 "memory held elsewhere and start the engine again, or start it in a new process."
             ) from error
-        state = "; that engine was shut down asleep: they were mapped back from their host copies"
+        state = (
+            "; some were unmapped (that engine was shut down asleep, or an earlier start could "
+            "not map them again): they were mapped back from their host copies"
+        )
         if lost:
             state += (
                 f", except {_describe_bytes(lost)} mapped back without their contents (its sleep "
