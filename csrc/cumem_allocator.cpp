@@ -88,6 +88,24 @@ struct Run {
   RunSlot* slots = nullptr;
   size_t count = 0;
   size_t in_use = 0;
+  // In the list of what refused frees left (g_held_runs) until it ends.
+  bool held = false;
+  Run* next_held = nullptr;
+};
+
+// A range whose free (my_free) the driver refused after Python had forgotten
+// it, with what is left to give back: its mapping (the unmap failed), its
+// physical memory (the release failed) and its range (taken until unmapped).
+struct HeldRange {
+  int device = 0;
+  uint64_t address = 0;
+  size_t size = 0;
+  PhysicalHandle physical{};
+  ArenaChunk* chunk = nullptr;
+  bool range_held = true;
+  bool mapped = true;
+  bool physical_held = true;
+  HeldRange* next = nullptr;
 };
 
 bool succeeded(DriverResult result) {
@@ -238,6 +256,38 @@ ArenaChunk* g_arena = nullptr;  // the chunk handing out ranges now
 // unmaps or maps one of the same run. Taken before the arena's, never after.
 pthread_mutex_t g_run_mutex = PTHREAD_MUTEX_INITIALIZER;
 
+// What frees the driver refused left on the device (lock: g_run_mutex).
+// Python has forgotten it, so the extension counts it (held_bytes) and tries
+// again when asked (retry_held, at every sleep): a passing driver failure
+// does not leak the memory for the life of the process.
+Run* g_held_runs = nullptr;
+HeldRange* g_held_ranges = nullptr;
+
+// Bytes of `runs` (a g_held_runs list) that no range in use accounts for.
+size_t run_bytes_out_of_use(const Run* runs) {
+  size_t bytes = 0;
+  for (const Run* run = runs; run != nullptr; run = run->next_held) {
+    bytes += run->size;
+    for (size_t i = 0; i < run->count; ++i) {
+      if (run->slots[i].in_use) {
+        bytes -= run->slots[i].size;
+      }
+    }
+  }
+  return bytes;
+}
+
+void unlink_held_run(Run* run) {
+  for (Run** link = &g_held_runs; *link != nullptr; link = &(*link)->next_held) {
+    if (*link == run) {
+      *link = run->next_held;
+      run->held = false;
+      run->next_held = nullptr;
+      return;
+    }
+  }
+}
+
 // Frees a chunk that hands out no more ranges and has none out (lock held).
 void retire_if_empty(ArenaChunk* chunk) {
   if (chunk != g_arena && chunk->live == 0) {
@@ -330,6 +380,9 @@ bool end_run(Run* run) {
       slot.allocation->run = nullptr;
     }
   }
+  if (run->held) {
+    unlink_held_run(run);
+  }
   delete[] run->slots;
   delete run;
   return true;
@@ -361,9 +414,14 @@ bool leave_run(Allocation* allocation, bool freed) {
   }
   if (freed) {
     // Its record goes: the run stays mapped, with no range in use, until
-    // another member is mapped again and leaves.
+    // another member is mapped again and leaves, or a retry ends it.
     slot.in_use = false;
     run->in_use = 0;
+    if (!run->held) {
+      run->held = true;
+      run->next_held = g_held_runs;
+      g_held_runs = run;
+    }
   }
   return false;
 }
@@ -414,6 +472,93 @@ bool unmap_and_release(int device, size_t size, uint64_t address, Allocation* al
     hold_with_placeholder(device, address, size, allocation);
   }
   return true;
+}
+
+// Keeps a range whose free the driver refused (see HeldRange); false when
+// there is no host memory for the note (the range then leaks, reported).
+bool hold_range(const HeldRange& range) {
+  auto* held = new (std::nothrow) HeldRange(range);
+  if (held == nullptr) {
+    return false;
+  }
+  Lock lock(&g_run_mutex);
+  held->next = g_held_ranges;
+  g_held_ranges = held;
+  return true;
+}
+
+// Gives back what a refused free left, step by step as my_free does; false
+// while the driver still refuses a step (what is done stays done).
+bool give_back_held(HeldRange* range) {
+  if (!succeeded(bind_device(range->device))) {
+    return false;
+  }
+  if (range->mapped) {
+    if (!unmap_and_release_physical(range->device, range->address, range->size,
+                                    range->physical)) {
+      return false;
+    }
+    range->mapped = range->physical_held = false;
+  } else if (range->physical_held) {
+    if (!succeeded(release_physical(range->physical))) {
+      return false;
+    }
+    range->physical_held = false;
+  }
+  if (range->range_held) {
+    if (!give_back_range(range->chunk, range->address, range->size)) {
+      return false;
+    }
+    range->range_held = false;
+  }
+  return true;
+}
+
+// Device bytes that refused frees left: of each such run what no range in
+// use accounts for (one mapped again rejoined it, and Python counts that
+// one), and the ranges.
+size_t held_bytes() {
+  Lock lock(&g_run_mutex);
+  size_t bytes = run_bytes_out_of_use(g_held_runs);
+  for (HeldRange* range = g_held_ranges; range != nullptr; range = range->next) {
+    if (range->mapped || range->physical_held) {
+      bytes += range->size;  // device memory; a range alone is address space
+    }
+  }
+  return bytes;
+}
+
+// Tries again to give back everything refused frees left; the device bytes
+// given back. What the driver still refuses stays held, its error recorded
+// (none recorded: nothing refused); a run a range uses again ends when its
+// last range leaves.
+size_t retry_held() {
+  Lock lock(&g_run_mutex);
+  t_last_error.clear();
+  size_t freed = 0;
+  for (Run* run = g_held_runs; run != nullptr;) {
+    Run* next = run->next_held;
+    const size_t size = run->size;
+    if (run->in_use == 0 && end_run(run)) {  // unlinks it
+      freed += size;
+    }
+    run = next;
+  }
+  for (HeldRange** link = &g_held_ranges; *link != nullptr;) {
+    HeldRange* range = *link;
+    const bool had_memory = range->mapped || range->physical_held;
+    const bool done = give_back_held(range);
+    if (had_memory && !range->mapped && !range->physical_held) {
+      freed += range->size;
+    }
+    if (done) {
+      *link = range->next;
+      delete range;
+    } else {
+      link = &range->next;
+    }
+  }
+  return freed;
 }
 
 struct RunMember {
@@ -643,25 +788,35 @@ GRAPH_SLEEP_EXPORT void my_free(void* ptr, ssize_t /*size*/, int device, StreamH
       return;
     }
   }
-  if (!succeeded(bind_device(device))) {
-    // Leaks the range (and keeps its arena chunk) rather than give back a
-    // range that may still be mapped.
-    report("my_free");
-  } else {
-    bool still_mapped = false;
-    if (order.mapped) {
-      if (!succeeded(unmap_physical(address, order.size))) {
-        report("my_free");
-        still_mapped = true;  // its range stays taken: nothing may map there
-      } else if (!succeeded(release_physical(order.allocation->physical))) {
-        report("my_free");
-      }
+  // What the driver refuses is kept and tried again at the next sleep
+  // (retry_held), not given back while it may still be mapped, nor leaked.
+  HeldRange refused;
+  refused.device = device;
+  refused.address = address;
+  refused.size = order.size;
+  refused.physical = order.allocation->physical;
+  refused.chunk = order.allocation->chunk;
+  refused.range_held = order.allocation->range_held;
+  refused.mapped = refused.physical_held = order.mapped;
+  if (succeeded(bind_device(device))) {
+    if (refused.mapped && succeeded(unmap_physical(address, order.size))) {
+      refused.mapped = false;
+    }
+    if (!refused.mapped && refused.physical_held &&
+        succeeded(release_physical(refused.physical))) {
+      refused.physical_held = false;
     }
     // Asleep, the range is held by its placeholder on ROCm, or by nothing if
     // the placeholder was lost.
-    if (!still_mapped && order.allocation->range_held &&
-        !give_back_range(order.allocation->chunk, address, order.size)) {
-      report("my_free");
+    if (!refused.mapped && refused.range_held &&
+        give_back_range(refused.chunk, address, order.size)) {
+      refused.range_held = false;
+    }
+  }
+  if (refused.mapped || refused.physical_held || refused.range_held) {
+    report("my_free");
+    if (!hold_range(refused)) {
+      report("my_free, with no host memory to note it for a retry: it leaks");
     }
   }
   delete order.allocation;
@@ -810,6 +965,18 @@ PyObject* py_probe_mapping(PyObject* /*self*/, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+PyObject* py_held_bytes(PyObject* /*self*/, PyObject* /*args*/) {
+  return PyLong_FromSize_t(held_bytes());
+}
+
+PyObject* py_retry_held(PyObject* /*self*/, PyObject* /*args*/) {
+  size_t freed = 0;
+  Py_BEGIN_ALLOW_THREADS
+  freed = retry_held();
+  Py_END_ALLOW_THREADS
+  return PyLong_FromSize_t(freed);
+}
+
 PyObject* py_last_error(PyObject* /*self*/, PyObject* /*args*/) {
   return PyUnicode_FromString(t_last_error.c_str());
 }
@@ -832,6 +999,12 @@ PyMethodDef kMethods[] = {
     {"probe_mapping", py_probe_mapping, METH_VARARGS,
      "probe_mapping(device): maps and unmaps one granule of fresh memory; pays the "
      "driver's work deferred from earlier releases."},
+    {"held_bytes", py_held_bytes, METH_NOARGS,
+     "held_bytes(): device bytes that frees the driver refused left held (tried again "
+     "by retry_held)."},
+    {"retry_held", py_retry_held, METH_NOARGS,
+     "retry_held(): gives back what refused frees left, as far as the driver lets; the "
+     "device bytes given back (last_error() says what the driver refused, or is empty)."},
     {"last_error", py_last_error, METH_NOARGS,
      "The last failure recorded on this thread (my_malloc's too, which also goes to stderr)."},
     {nullptr, nullptr, 0, nullptr},

@@ -88,6 +88,13 @@ class VmmDriver:
     def unmap_and_release(self, device: int, size: int, address: int, handle: int) -> None:
         self._ext.unmap_and_release(device, size, address, handle)
 
+    def held_after_refused_frees(self) -> int:
+        return self._ext.held_bytes()
+
+    def retry_refused_frees(self) -> tuple[int, str]:
+        freed = self._ext.retry_held()
+        return freed, self._ext.last_error()
+
     def stack_limit(self, device: int) -> int:
         return self._ext.stack_limit(device)
 

@@ -81,6 +81,7 @@ from vllm_graph_sleep.memory.release import (
     discard,
     drop,
     release_backed_up,
+    retry_refused_frees,
 )
 from vllm_graph_sleep.memory.report import PhaseClock, coded_note, copy_note, describe
 from vllm_graph_sleep.memory.routing import PoolRouter
@@ -278,8 +279,8 @@ class GraphSleepAllocator:
         return self.table.tags_in_use()
 
     def all_mapped_bytes(self) -> int:
-        """Bytes mapped, allocations of earlier engines included."""
-        return self.table.all_mapped_bytes()
+        """Bytes mapped, allocations of earlier engines and what refused frees left included."""
+        return self.table.all_mapped_bytes() + self._driver.held_after_refused_frees()
 
     def orphan_leftovers(self) -> int:
         """Marks every allocation as left by an earlier engine, each in a run
@@ -416,6 +417,7 @@ class GraphSleepAllocator:
         # Before new backups: those of allocations freed since the last call.
         self._driver.release_dropped_host_buffers()
         clock.lap("freed allocations' host buffers")
+        retry_refused_frees(self._driver, clock)
         self.claim_graph_pool()
         clock.lap("graph pool claimed")
         workspaces = self._workspaces.release()

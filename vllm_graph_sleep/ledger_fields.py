@@ -18,7 +18,8 @@ printf_fifo                   yes     the printf FIFO limit (cuCtxGetLimit / hip
 malloc_heap                   yes     the device malloc heap limit, read the same way; an upper
                                       bound too
 our_pools_mapped              yes     bytes our allocator has mapped (its bookkeeping, leftovers
-                                      of earlier engines included); 0 in stock
+                                      of earlier engines and what refused frees left
+                                      included); 0 in stock
 vllm_cumem_mapped             yes     bytes stock vLLM's CuMemAllocator has mapped (its
                                       bookkeeping); 0 without its instance
 torch_reserved_outside_pools  yes     torch's reserved segments (memory_snapshot) that no

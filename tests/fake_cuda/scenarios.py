@@ -116,6 +116,17 @@ def weights(alloc: Allocator, sizes=(4, 8, 200, 2)) -> list[int]:
     return [alloc.malloc(size * MIB) for size in sizes]
 
 
+def a_run_only_its_last_member_uses(alloc: Allocator) -> list[int]:
+    """Weights woken as one run, then all but the last put to sleep."""
+    members = weights(alloc)
+    for address in members:
+        alloc.sleep(address)
+    alloc.wake_run(members)
+    for address in members[:-1]:
+        alloc.sleep(address)
+    return members
+
+
 # -- scenarios ------------------------------------------------------------------
 
 
@@ -179,12 +190,7 @@ def a_member_freed_inside_its_run_keeps_its_memory_until_the_run_ends(fake, allo
 
 
 def a_run_the_driver_will_not_release_stays_mapped_and_members_rejoin(fake, alloc) -> None:
-    members = weights(alloc)
-    for address in members:
-        alloc.sleep(address)
-    alloc.wake_run(members)
-    for address in members[:-1]:
-        alloc.sleep(address)
+    members = a_run_only_its_last_member_uses(alloc)
     fake.fail("cuMemRelease")
     try:
         alloc.sleep(members[-1])
@@ -230,7 +236,57 @@ def a_range_whose_unmap_failed_is_not_given_back(fake: Fake, alloc: Allocator) -
     fake.fail("cuMemUnmap")
     alloc.free(address)  # reported on stderr; the range keeps its chunk
     assert fake.mapped() == 8 * MIB
+    assert alloc.ext.held_bytes() == 8 * MIB
     assert not retire_chunk_of(fake, alloc, address)
+
+
+def what_refused_frees_left_is_counted_and_a_retry_gives_it_back(fake, alloc) -> None:
+    # The unmap refused: still mapped, its range taken. The driver refuses
+    # the first retry too; the second gives it all back.
+    mapped = alloc.malloc(8 * MIB)
+    fake.fail("cuMemUnmap")
+    alloc.free(mapped)
+    # The release refused: unmapped (its range went back), memory held.
+    unreleased = alloc.malloc(4 * MIB)
+    fake.fail("cuMemRelease")
+    alloc.free(unreleased)
+    assert alloc.ext.held_bytes() == 12 * MIB
+    assert fake.mapped() == 8 * MIB and fake.physical() == 12 * MIB
+    fake.fail("cuMemUnmap")
+    assert alloc.ext.retry_held() == 4 * MIB  # the release went through
+    assert "cuMemUnmap failed" in alloc.ext.last_error()
+    assert alloc.ext.held_bytes() == 8 * MIB and fake.physical() == 8 * MIB
+    assert alloc.ext.retry_held() == 8 * MIB
+    assert alloc.ext.held_bytes() == 0 and fake.physical() == fake.mapped() == 0
+    assert alloc.ext.retry_held() == 0
+    assert retire_chunk_of(fake, alloc, mapped)
+
+
+def a_run_its_last_free_could_not_end_is_held_until_a_retry_or_a_member_rejoins(fake, alloc):
+    members = a_run_only_its_last_member_uses(alloc)
+    fake.fail("cuMemUnmap")
+    alloc.free(members[-1])  # reported: the run stays mapped, no range in use
+    assert alloc.ext.held_bytes() == fake.mapped() == 214 * MIB
+    # A member mapped again rejoins it (counted by Python from then on); a
+    # retry leaves a run in use alone; its last member out ends it.
+    creates = fake.calls("cuMemCreate")
+    alloc.wake(members[0])
+    assert fake.calls("cuMemCreate") == creates and alloc.ext.held_bytes() == 210 * MIB
+    assert alloc.ext.retry_held() == 0 and fake.mapped() == 214 * MIB
+    assert alloc.ext.last_error() == ""  # skipped while in use, not refused
+    alloc.sleep(members[0])
+    assert alloc.ext.held_bytes() == 0 and fake.physical() == fake.mapped() == 0
+    # Again, and this time a retry ends it; the members asleep map afresh.
+    alloc.wake_run(members[:-1])
+    for address in members[1:-1]:
+        alloc.sleep(address)
+    fake.fail("cuMemUnmap")
+    alloc.free(members[0])
+    assert alloc.ext.held_bytes() == fake.mapped() == 212 * MIB
+    assert alloc.ext.retry_held() == 212 * MIB
+    assert alloc.ext.held_bytes() == 0 and fake.physical() == 0
+    alloc.wake(members[1])
+    assert fake.physical() == 8 * MIB
 
 
 def members_freed_on_other_threads_while_a_sleep_unmaps(fake: Fake, alloc: Allocator) -> None:

@@ -108,6 +108,7 @@ class FakeVmmDriver:
         self._freeable: list[list[int]] = []  # segment lists of dropped pools
         self.failures: dict[str, int] = {}  # call -> how many calls succeed before it fails
         self.failing_addresses: dict[str, int] = {}  # call -> the address whose next call fails
+        self.refused_frees: dict[int, torch.Tensor] = {}  # address -> what a refused free left
         self.unmap_threads: dict[int, str] = {}  # address -> the thread that last unmapped it
         self.stack_limits: dict[int, int] = {}  # device -> per-thread stack bytes
         self.cache_calls: list[str] = []  # in order: "collect" (garbage), "empty" (torch's cache)
@@ -440,14 +441,57 @@ class FakeVmmDriver:
         return address
 
     def free(self, address: int) -> None:
+        """my_free: what the driver refuses to give back (fail("unmap_and_release"))
+        the extension holds for `retry_refused_frees`, the record gone."""
         size, handle, mapped = self._on_free(address)
         run = self.run_of.get(address)
         if run is not None:  # its bytes go with the run
+            if run["in_use"] == {address} and self._refuses("unmap_and_release", address):
+                # The run stays mapped with no range in use, held until a
+                # retry, or a member that rejoins it, ends it.
+                run["in_use"].discard(address)
+                run["held"][address] = self.memory.pop(address)
+                run["refused"] = True
+                return
             if address in run["in_use"]:
                 self._leave_run(address)
             run["held"].pop(address, None)
         elif mapped:
-            self.unmap_and_release(0, size, address, handle)
+            try:
+                self.unmap_and_release(0, size, address, handle)
+            except RuntimeError:
+                self.refused_frees[address] = self.memory.pop(address)
+
+    def _refuses(self, call: str, address: int) -> bool:
+        try:
+            self._maybe_fail(call, "refused", address)
+        except RuntimeError:
+            return True
+        return False
+
+    def _held_runs(self) -> list[dict]:
+        runs = {id(run): run for run in self.run_of.values() if run.get("refused")}
+        return list(runs.values())
+
+    def held_after_refused_frees(self) -> int:
+        """As the extension's held_bytes: of a held run, what no member in use
+        accounts for (the table counts one that rejoined it)."""
+        held = sum(t.numel() for t in self.refused_frees.values())
+        for run in self._held_runs():
+            held += sum(s for a, s in run["sizes"].items() if a not in run["in_use"])
+        return held
+
+    def retry_refused_frees(self) -> tuple[int, str]:
+        if self.held_after_refused_frees() and self._refuses("retry_refused_frees", None):
+            return 0, "cuMemUnmap failed: out of memory"
+        freed = sum(t.numel() for t in self.refused_frees.values())
+        self.refused_frees.clear()
+        for run in self._held_runs():
+            if not run["in_use"]:  # one in use ends with its last member out
+                freed += sum(run["sizes"].values())
+                for member in run["sizes"]:
+                    self.run_of.pop(member, None)
+        return freed, ""
 
     def tensor_dies(self, address: int) -> None:
         """The only tensor in the segment at `address` was freed: torch keeps
@@ -472,7 +516,9 @@ class FakeVmmDriver:
     def used_bytes(self) -> int:
         """Device memory in use: ours (runs' whole), torch's own, other processes'."""
         torch_own = sum(size for _, size in self.torch_held)
-        return self.mapped_bytes() + self.stranded_bytes() + torch_own + self.occupied_elsewhere
+        refused = sum(t.numel() for t in self.refused_frees.values())
+        ours = self.mapped_bytes() + self.stranded_bytes() + refused
+        return ours + torch_own + self.occupied_elsewhere
 
     def write(self, address: int, value: int) -> None:
         self.device_bytes(0, address, 0).fill_(value)

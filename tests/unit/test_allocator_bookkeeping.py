@@ -844,3 +844,30 @@ def test_a_switch_with_a_value_that_is_neither_yes_nor_no_is_refused(monkeypatch
         make()
     monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STACK", "")
     assert make()[1].release_stack is True  # empty: the default
+
+
+def test_memory_a_refused_free_left_is_counted_and_the_next_sleep_gives_it_back(caplog):
+    # torch frees an allocation and the driver refuses to unmap it: the
+    # extension keeps it (the record is gone). It counts as mapped, a sleep
+    # whose retry is refused too says so, and the sleep after gives it back.
+    driver, manager = make()
+    weights = allocate(driver, manager, "weights", 4 * MIB, value=1)
+    scratch = allocate(driver, manager, "kv_cache", 8 * MIB)
+    driver.fail("unmap_and_release", address=scratch)
+    driver.free(scratch)
+    assert scratch not in manager.allocations
+    assert manager.all_mapped_bytes() == driver.used_bytes() == 12 * MIB
+    driver.fail("retry_refused_frees")
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights",))
+    assert "8.00 MiB that frees the driver refused left on the device is still held" in caplog.text
+    assert manager.all_mapped_bytes() == driver.used_bytes() == 8 * MIB
+    manager.wake_up()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.sleep(offload_tags=("weights",))
+    assert "gave back 8.00 MiB that frees the driver had refused" in caplog.text
+    assert "refused frees tried again" in caplog.text
+    assert manager.all_mapped_bytes() == driver.used_bytes() == 0
+    manager.wake_up()
+    assert bool((driver.read(weights) == 1).all())

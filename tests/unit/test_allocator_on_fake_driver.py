@@ -28,12 +28,22 @@ SCENARIOS = [
     "a_run_the_driver_will_not_release_stays_mapped_and_members_rejoin",
     "refused_runs_change_nothing",
     "a_range_whose_unmap_failed_is_not_given_back",
+    "what_refused_frees_left_is_counted_and_a_retry_gives_it_back",
+    "a_run_its_last_free_could_not_end_is_held_until_a_retry_or_a_member_rejoins",
     "members_freed_on_other_threads_while_a_sleep_unmaps",
 ]
 # What a scenario may write to stderr (the extension reports what has no caller
 # to raise to there): every other "[vllm_graph_sleep]" line fails it.
 EXPECTED_REPORTS = {
     "a_range_whose_unmap_failed_is_not_given_back": [r"my_free: cuMemUnmap failed: out of memory"],
+    "what_refused_frees_left_is_counted_and_a_retry_gives_it_back": [
+        r"my_free: cuMemUnmap failed: out of memory",
+        r"my_free: cuMemRelease failed: out of memory",
+    ],
+    "a_run_its_last_free_could_not_end_is_held_until_a_retry_or_a_member_rejoins": [
+        r"my_free: cuMemUnmap failed: out of memory",
+        r"my_free: cuMemUnmap failed: out of memory",
+    ],
 }
 
 

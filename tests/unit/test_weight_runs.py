@@ -228,6 +228,25 @@ def test_a_leftover_that_cannot_be_mapped_again_keeps_its_contents_until_the_nex
     assert second not in driver.run_of
 
 
+def test_a_run_its_last_free_could_not_end_is_counted_until_a_member_or_a_sleep_ends_it():
+    driver, manager, weights, kv = weights_and_kv(sizes=(4, 8, 2))
+    first, middle, last = weights
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()  # the weights in one run
+    for address in (first, middle):  # out of use: the run holds their memory
+        driver.unmap_and_release(*manager.allocations[address].vmm_args())
+        manager.allocations[address].unmapped()
+    driver.fail("unmap_and_release", address=last)
+    driver.free(last)  # the run's last member in use: the driver refuses
+    assert manager.all_mapped_bytes() == driver.used_bytes() == 22 * MIB
+    # One mapped again rejoins it (the table counts it, the extension the rest).
+    driver.create_and_map(*manager.allocations[first].vmm_args())
+    manager.allocations[first].mapped_again()
+    assert manager.all_mapped_bytes() == driver.used_bytes() == 22 * MIB
+    manager.sleep(offload_tags=("weights",))  # its last member out ends it
+    assert manager.all_mapped_bytes() == driver.used_bytes() == 0
+
+
 def test_an_allocation_counts_as_mapped_as_soon_as_a_wake_maps_it():
     # torch may free a segment while the wake goes on (a cache release between
     # a coded wake's phases): the extension must then unmap it.

@@ -68,6 +68,18 @@ class DeviceDriver(Protocol):
         its contents."""
         ...
 
+    def held_after_refused_frees(self) -> int:
+        """Device bytes the extension holds because the driver refused to give
+        them back when torch freed them (the allocations are gone from the
+        table): a run no range uses, or a range whose unmap or release failed."""
+        ...
+
+    def retry_refused_frees(self) -> tuple[int, str]:
+        """Tries again to give back what `held_after_refused_frees` counts:
+        the device bytes given back, and what the driver refused ("" when
+        nothing: a run a member uses again ends when its last member leaves)."""
+        ...
+
     def stack_limit(self, device: int) -> int:
         """The context's per-thread stack limit on `device`, in bytes. RuntimeError on failure."""
         ...

@@ -204,6 +204,30 @@ class EarlyDrop:
         )
 
 
+def retry_refused_frees(driver: DeviceDriver, clock: PhaseClock) -> None:
+    """Gives back what frees the driver refused left on the device (torch
+    freed those allocations and the table forgot them; the extension holds
+    their memory), so that a passing refusal costs memory until the next
+    sleep, not for the life of the process. Logs what came back and what is
+    still held; a lap on `clock` when there was any."""
+    if not driver.held_after_refused_frees():
+        return
+    freed, why = driver.retry_refused_frees()
+    clock.lap("refused frees tried again")
+    if freed:
+        logger.info(
+            "graph-sleep sleep: gave back %s that frees the driver had refused left on the device",
+            format_bytes(freed),
+        )
+    if why:
+        logger.warning(
+            "graph-sleep sleep: %s that frees the driver refused left on the device is still "
+            "held (tried again at the next sleep): %s",
+            format_bytes(driver.held_after_refused_frees()),
+            why,
+        )
+
+
 def discard(driver: DeviceDriver, allocations: list[Allocation]) -> int:
     """Releases `allocations` and their host backups, mapped or asleep;
     returns the bytes unmapped."""
