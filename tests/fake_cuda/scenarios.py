@@ -116,6 +116,14 @@ def weights(alloc: Allocator, sizes=(4, 8, 200, 2)) -> list[int]:
     return [alloc.malloc(size * MIB) for size in sizes]
 
 
+def vmm_driver(alloc: Allocator):
+    """The allocator's GPU driver layer over this extension (torch, no GPU)."""
+    from vllm_graph_sleep import _native
+
+    _native._load_extension = lambda: alloc.ext
+    return _native.VmmDriver(host_buffers="torch")
+
+
 def a_run_only_its_last_member_uses(alloc: Allocator) -> list[int]:
     """Weights woken as one run, then all but the last put to sleep."""
     members = weights(alloc)
@@ -250,15 +258,17 @@ def what_refused_frees_left_is_counted_and_a_retry_gives_it_back(fake, alloc) ->
     unreleased = alloc.malloc(4 * MIB)
     fake.fail("cuMemRelease")
     alloc.free(unreleased)
-    assert alloc.ext.held_bytes() == 12 * MIB
+    # Through the GPU driver's calls (vllm_graph_sleep._native.VmmDriver).
+    driver = vmm_driver(alloc)
+    assert driver.held_after_refused_frees() == 12 * MIB
     assert fake.mapped() == 8 * MIB and fake.physical() == 12 * MIB
     fake.fail("cuMemUnmap")
-    assert alloc.ext.retry_held() == 4 * MIB  # the release went through
-    assert "cuMemUnmap failed" in alloc.ext.last_error()
-    assert alloc.ext.held_bytes() == 8 * MIB and fake.physical() == 8 * MIB
-    assert alloc.ext.retry_held() == 8 * MIB
+    freed, why = driver.retry_refused_frees()
+    assert freed == 4 * MIB and "cuMemUnmap failed" in why, why  # the release went through
+    assert driver.held_after_refused_frees() == 8 * MIB and fake.physical() == 8 * MIB
+    assert driver.retry_refused_frees() == (8 * MIB, "")
     assert alloc.ext.held_bytes() == 0 and fake.physical() == fake.mapped() == 0
-    assert alloc.ext.retry_held() == 0
+    assert driver.retry_refused_frees() == (0, "")
     assert retire_chunk_of(fake, alloc, mapped)
 
 
