@@ -14,6 +14,7 @@ from __future__ import annotations
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 
 from vllm_graph_sleep.allocator import KV_CACHE_TAG, WEIGHTS_TAG, GraphSleepAllocator
+from vllm_graph_sleep.gil_handoffs import quick_gil_handoffs
 from vllm_graph_sleep.sampler_scratch import drop_sampler_scratch
 
 SLEEP_LEVELS = (1, 2)
@@ -40,13 +41,15 @@ class GraphSleepBackend(SleepModeBackend):
         drop_sampler_scratch()
         # vLLM's EngineCore.sleep has reset the prefix cache and the running
         # requests (pause_scheduler with clear_cache) before any level >= 1.
-        self._allocator.sleep(offload_tags=offload, kv_cache_cleared=True)
+        with quick_gil_handoffs():
+            self._allocator.sleep(offload_tags=offload, kv_cache_cleared=True)
         self._state = "SUSPENDED"
 
     def resume(self, tags: list[str] | None = None) -> None:
         self._state = "RESUMING"
         try:
-            self._allocator.wake_up(tags)
+            with quick_gil_handoffs():
+                self._allocator.wake_up(tags)
         finally:
             asleep = self._allocator.get_current_usage() - self._allocator.mapped_bytes()
             self._state = "RUNNING" if asleep == 0 else "SUSPENDED"

@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "coded_backup": 1,
     "exponent_codec": 1,
     "cuda_checkpoint": 1,
+    "gil_handoffs": 1,
     # 2: the facade
     "allocator": 2,
     # 3: gate, policy, backend
