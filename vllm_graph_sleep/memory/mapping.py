@@ -11,12 +11,12 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import torch
-
 from vllm_graph_sleep.memory.records import WEIGHTS_TAG, Allocation, SharedRun
 from vllm_graph_sleep.units import format_bytes
 
 if TYPE_CHECKING:
+    import torch
+
     from vllm_graph_sleep.memory.driver import DeviceDriver
 
 logger = logging.getLogger("vllm.graph_sleep")

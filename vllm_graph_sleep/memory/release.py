@@ -1,9 +1,10 @@
-"""Unmapping: the half of a sleep that releases: a KV cache the caller has
-cleared, on a thread of its own while the weights' backup runs (EarlyDrop);
-then the allocations that have a host backup, all or none (a failure maps back
-what went); then the other ones dropped without a backup, as many as the
-driver lets go; and a discard. Holds no state past a sleep: what is mapped
-lives on each allocation's record."""
+"""Unmapping: the half of a sleep that releases: first what frees the driver
+refused left (retry_refused_frees); a KV cache the caller has cleared, on a
+thread of its own while the weights' backup runs (EarlyDrop); then the
+allocations that have a host backup, all or none (a failure maps back what
+went); then the other ones dropped without a backup, as many as the driver
+lets go; and a discard. Holds no state past a sleep: what is mapped lives on
+each allocation's record."""
 
 from __future__ import annotations
 
