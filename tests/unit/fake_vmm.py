@@ -172,7 +172,8 @@ class FakeVmmDriver:
             raise RuntimeError("map_run failed: the ranges are not free neighbours")
         if self.used_bytes() + sum(size for size, _, _ in members) > self.capacity:
             raise RuntimeError("cuMemCreate failed: out of memory")
-        run = {"sizes": {}, "in_use": set(), "held": {}}
+        # "refused": its last member's free was refused (held until it ends)
+        run = {"sizes": {}, "in_use": set(), "held": {}, "refused": False}
         for size, address, _ in members:
             self.memory[address] = torch.full((size,), STALE_BYTE, dtype=torch.uint8)
             self.map_calls.append(address)
@@ -470,13 +471,16 @@ class FakeVmmDriver:
         return False
 
     def _held_runs(self) -> list[dict]:
-        runs = {id(run): run for run in self.run_of.values() if run.get("refused")}
+        runs = {id(run): run for run in self.run_of.values() if run["refused"]}
         return list(runs.values())
+
+    def _refused_range_bytes(self) -> int:
+        return sum(t.numel() for t in self.refused_frees.values())
 
     def held_after_refused_frees(self) -> int:
         """As the extension's held_bytes: of a held run, what no member in use
         accounts for (the table counts one that rejoined it)."""
-        held = sum(t.numel() for t in self.refused_frees.values())
+        held = self._refused_range_bytes()
         for run in self._held_runs():
             held += sum(s for a, s in run["sizes"].items() if a not in run["in_use"])
         return held
@@ -484,7 +488,7 @@ class FakeVmmDriver:
     def retry_refused_frees(self) -> tuple[int, str]:
         if self.held_after_refused_frees() and self._refuses("retry_refused_frees", None):
             return 0, "cuMemUnmap failed: out of memory"
-        freed = sum(t.numel() for t in self.refused_frees.values())
+        freed = self._refused_range_bytes()
         self.refused_frees.clear()
         for run in self._held_runs():
             if not run["in_use"]:  # one in use ends with its last member out
@@ -516,8 +520,7 @@ class FakeVmmDriver:
     def used_bytes(self) -> int:
         """Device memory in use: ours (runs' whole), torch's own, other processes'."""
         torch_own = sum(size for _, size in self.torch_held)
-        refused = sum(t.numel() for t in self.refused_frees.values())
-        ours = self.mapped_bytes() + self.stranded_bytes() + refused
+        ours = self.mapped_bytes() + self.stranded_bytes() + self._refused_range_bytes()
         return ours + torch_own + self.occupied_elsewhere
 
     def write(self, address: int, value: int) -> None:
