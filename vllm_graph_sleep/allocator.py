@@ -75,7 +75,7 @@ from vllm_graph_sleep.memory.records import (
     AllocationTable,
 )
 from vllm_graph_sleep.memory.release import (
-    EarlyDrop,
+    KvCacheRelease,
     PartialRelease,
     backed_up_bytes,
     discard,
@@ -221,6 +221,7 @@ class GraphSleepAllocator:
             fill=fill,
         )
         self._last_backup = BackupCount()
+        self._kv_cache_release = KvCacheRelease(driver, self._backups)
         # The extension keeps its own references to these bound methods.
         driver.register_callbacks(self.table.on_malloc, self.table.on_free)
 
@@ -395,6 +396,11 @@ class GraphSleepAllocator:
 
     # -- sleep / wake / discard -------------------------------------------
 
+    def kv_cache_released_ahead(self):
+        """Inside, the KV cache (its contents given up) is released on a thread
+        of its own for the sleep that follows inside (KvCacheRelease.ahead)."""
+        return self._kv_cache_release.ahead(self.table.live())
+
     def sleep(
         self, offload_tags: tuple[str, ...] | str | None = None, *, kv_cache_cleared: bool = False
     ) -> None:
@@ -402,7 +408,7 @@ class GraphSleepAllocator:
         with `kv_cache_cleared`, a dropped KV cache is released on a thread of
         its own, from the moment the backup's fingerprints are queued, while
         this one backs up the weights and releases the rest; at level 2 (no
-        weights backed up) with the rest, on this thread (EarlyDrop.split).
+        weights backed up) with the rest, unless started ahead (KvCacheRelease).
 
         Transactional up to the first drop: a failure while backing up, or
         while releasing memory that has a backup, maps back what was released
@@ -426,19 +432,13 @@ class GraphSleepAllocator:
         awake = [allocation for allocation in self.table.live() if allocation.mapped]
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
-        early, to_drop = EarlyDrop.split(self._driver, to_back_up, to_drop, kv_cache_cleared)
+        early, to_drop = self._kv_cache_release.split(to_back_up, to_drop, kv_cache_cleared)
         try:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
             self._last_backup = self._backups.back_up(to_back_up, live, clock, early.start)
         except Exception as error:
-            # Copies already queued must not outlive the call: a later sleep that
-            # drops these allocations, or shutdown, lets their buffers go (and a
-            # registered one is unregistered) without waiting for the device.
-            self._backups.wait_for_devices(to_back_up, "a failed sleep")
-            for allocation in to_back_up:
-                allocation.has_backup = False
             raise SleepError(
                 f"sleep failed while backing up {len(to_back_up)} allocations "
                 f"({format_bytes(sum(a.size for a in to_back_up))}) to host memory: {error}. "
@@ -446,6 +446,7 @@ class GraphSleepAllocator:
                 f"but {RESUME_HINT}."
             ) from error
 
+        early.wait_if_ahead(clock)
         try:
             released = release_backed_up(self._driver, self._backups, to_back_up)
         except PartialRelease as error:

@@ -11,6 +11,9 @@ pool first (the allocator never leaves a non-deferrable tag asleep).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 
 from vllm_graph_sleep.allocator import KV_CACHE_TAG, WEIGHTS_TAG, GraphSleepAllocator
@@ -31,17 +34,37 @@ class GraphSleepBackend(SleepModeBackend):
     def __init__(self) -> None:
         super().__init__()
         self._allocator = GraphSleepAllocator.get_instance()
+        self._first_steps: list[Callable[[], None]] = []
+
+    @contextlib.contextmanager
+    def first_in_suspend(self, step: Callable[[], None]) -> Iterator[None]:
+        """A suspend inside runs `step` before anything of its own (the
+        worker's save of the model's buffers before a level-2 sleep), beside
+        the KV cache's release where one starts ahead (level 2)."""
+        self._first_steps.append(step)
+        try:
+            yield
+        finally:
+            self._first_steps.remove(step)
 
     def suspend(self, level: int = 1) -> None:
         # Claim first: graph memory made under another tag (a lazy capture) must
         # count as "cudagraph" when the tags to back up are chosen.
         self._allocator.claim_graph_pool()
         offload = offload_tags_for(level, self._allocator.tags_in_use())
-        # Before the allocator empties torch's cache: what it freed goes too.
-        drop_sampler_scratch()
         # vLLM's EngineCore.sleep has reset the prefix cache and the running
-        # requests (pause_scheduler with clear_cache) before any level >= 1.
-        with quick_gil_handoffs():
+        # requests (pause_scheduler with clear_cache) before any level >= 1. A
+        # level-2 sleep releases the KV cache first, on a thread, while this
+        # one saves the model's buffers and prepares its own release (a
+        # level-1 sleep starts it once its copies are queued).
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(quick_gil_handoffs())
+            if level == 2:
+                stack.enter_context(self._allocator.kv_cache_released_ahead())
+            for step in self._first_steps:
+                step()
+            # Before the allocator empties torch's cache: what it freed goes too.
+            drop_sampler_scratch()
             self._allocator.sleep(offload_tags=offload, kv_cache_cleared=True)
         self._state = "SUSPENDED"
 

@@ -62,7 +62,8 @@ def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     host memory, which vLLM's wake has read back by then (one level-2 sleep
     at a time; a failed sleep's save is taken again by its retry)."""
     started = time.perf_counter()
-    buffers = list(model.named_buffers())
+    # The class's: `hidden` shadows the instance's while vLLM's sleep runs.
+    buffers = list(type(model).named_buffers(model))
     strided = [(name, buffer) for name, buffer in buffers if buffer.layout == torch.strided]
     key = tuple(
         (name, buffer.device, buffer.dtype, buffer.data_ptr(), buffer.shape, buffer.stride())

@@ -706,7 +706,7 @@ def test_the_backend_releases_the_kv_cache_on_a_thread_of_its_own(install_alloca
     assert driver.unmap_threads == {weights: "MainThread", kv: "graph-sleep-kv-release"}
 
 
-def test_a_level_2_sleep_releases_a_cleared_kv_cache_with_the_rest_on_the_sleeps_thread(
+def test_a_level_2_sleep_releases_the_kv_cache_ahead_and_the_rest_after_it(
     install_allocator, caplog
 ):
     from vllm_graph_sleep.backend import GraphSleepBackend
@@ -718,15 +718,25 @@ def test_a_level_2_sleep_releases_a_cleared_kv_cache_with_the_rest_on_the_sleeps
     graph = allocate(driver, manager, "cudagraph", value=3)
     with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
         GraphSleepBackend().suspend(level=2)
-    # No weights to back up: nothing for a second thread to overlap.
-    assert driver.unmap_threads == {weights: "MainThread", kv: "MainThread", graph: "MainThread"}
-    assert "on its thread" not in caplog.text
+    # Started before the sleep's own work, which releases the rest on its
+    # own thread once the KV cache has gone (the driver serialises the two).
+    assert driver.unmap_threads == {
+        weights: "MainThread",
+        kv: "graph-sleep-kv-release",
+        graph: "MainThread",
+    }
+    unmapped = [address for event, address in driver.timeline if event == "unmapped"]
+    assert unmapped[0] == kv
+    assert "release on its thread, started ahead (1 allocations" in caplog.text
     assert "dropped kv_cache" in caplog.text and manager.mapped_bytes() == 0
     GraphSleepBackend().resume()
     assert bool((driver.read(graph) == 3).all())
-    # The next level-1 sleep backs the weights up and uses the thread again.
-    GraphSleepBackend().suspend(level=1)
+    # The next level-1 sleep backs the weights up and starts the thread itself.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        GraphSleepBackend().suspend(level=1)
     assert driver.unmap_threads[kv] == "graph-sleep-kv-release"
+    assert "started ahead" not in caplog.text
 
 
 def test_a_drop_that_fails_finishes_the_sleep_and_wake_restores_everything(setup, caplog):

@@ -4,6 +4,7 @@ stand-in sleep-mode backend and torch's device queries stubbed)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
@@ -137,12 +138,26 @@ def test_hidden_shadows_named_buffers_only_inside():
 
 
 class _Backend:
+    """Stands in for GraphSleepBackend: runs the steps given to
+    `first_in_suspend` first in `suspend`, as ours does."""
+
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.calls: list[tuple[str, object]] = []
+        self.first_steps: list = []
+
+    @contextlib.contextmanager
+    def first_in_suspend(self, step):
+        self.first_steps.append(step)
+        try:
+            yield
+        finally:
+            self.first_steps.remove(step)
 
     def suspend(self, level):
         self.calls.append(("suspend", level))
+        for step in self.first_steps:
+            step()
         if self.fail:
             raise RuntimeError("cuMemUnmap failed: an illegal memory access was encountered")
 
@@ -189,6 +204,43 @@ def test_a_level_2_sleep_saves_once_and_vllms_wake_restores_bit_exact(worker, as
     worker.wake_up(None)
     for name, buffer in model.named_buffers():
         assert torch.equal(_bits(buffer), _bits(before[name])), name
+    assert worker._sleep_saved_buffers == {}
+
+
+def test_the_save_runs_in_our_backend_after_vllms_measure_and_beside_the_kv_release(
+    worker, install_allocator, monkeypatch
+):
+    """vLLM measures the free memory its "Sleep mode freed" line starts
+    from before it calls the backend: the KV cache's release, which our
+    backend starts at a level-2 sleep's start, must come after that."""
+    from tests.unit.fake_vmm import FakeVmmDriver
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+    from vllm_graph_sleep.backend import GraphSleepBackend
+
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    install_allocator(manager)
+    with manager.allocation_tag("kv_cache"):
+        kv_cache = driver.malloc(1 << 21)
+    with manager.allocation_tag("weights"):
+        weights = driver.malloc(1 << 21)
+    measures: list[list[int]] = []
+
+    def get_memory_info(*args):
+        measures.append(list(driver.unmap_calls))
+        return (1 << 30) + (1 << 20) * len(driver.unmap_calls), 2 << 30
+
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", get_memory_info)
+    worker._sleep_mode_backend = GraphSleepBackend()
+    model = worker.model_runner.model
+    model.calls = 0
+    assert worker.sleep(2) is None
+    assert measures[0] == []  # nothing released before vLLM's first measure
+    assert driver.unmap_threads == {kv_cache: "graph-sleep-kv-release", weights: "MainThread"}
+    assert model.calls == 1  # read once, by ours, under vLLM's hidden comprehension
+    _assert_same(worker._sleep_saved_buffers, model)
+    assert "named_buffers" not in model.__dict__
+    worker.wake_up(None)
     assert worker._sleep_saved_buffers == {}
 
 

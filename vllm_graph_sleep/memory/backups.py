@@ -291,12 +291,17 @@ class Backups:
         release point after its last view dies (the end of this sleep for a
         replaced one), so dropping `allocation.host` is all a replacement needs.
         On failure no host buffer of `allocations` is trusted any more: a copy
-        may have written part of it."""
+        may have written part of it; the devices are waited for first."""
         try:
             return self._back_up(allocations, live, clock or PhaseClock(), beside)
         except BaseException:
+            # Copies already queued must not outlive the call: a later sleep that
+            # drops these allocations, or shutdown, lets their buffers go (and a
+            # registered one is unregistered) without waiting for the device.
+            self.wait_for_devices(allocations, "a failed sleep")
             for allocation in allocations:
                 allocation.fingerprints = None
+                allocation.has_backup = False
             raise
 
     def _back_up(

@@ -1,6 +1,7 @@
 """Unmapping: the half of a sleep that releases: first what frees the driver
 refused left (retry_refused_frees); a KV cache the caller has cleared, on a
-thread of its own while the weights' backup runs (EarlyDrop); then the
+thread of its own while the weights' backup runs, or ahead of a level-2
+sleep (EarlyDrop); then the
 allocations that have a host backup, all or none (a failure maps back what
 went); then the other ones dropped without a backup, as many as the driver
 lets go; and a discard. Holds no state past a sleep: what is mapped lives on
@@ -8,10 +9,12 @@ each allocation's record."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
@@ -127,17 +130,36 @@ class EarlyDrop:
     driver makes another thread's allocations and synchronous copies wait
     for a release, though not its kernel launches
     (docs/results/sleep-speed-h100.md). Only a sleep that backs up weights
-    has one (`split`). The thread owns these allocations'
-    records from `start` to `finish`; after a failed sleep `undo` maps the
-    cache back, filled like after a wake."""
+    has one of its own (`split`).
 
-    def __init__(self, driver: DeviceDriver, allocations: list[Allocation]) -> None:
+    A level-2 sleep's starts ahead of it instead (`start_ahead`, at the start of
+    the backend's suspend): it overlaps the host work before the sleep's
+    first release (the model's buffers saved, the workspaces, the garbage),
+    and the sleep waits for it before releasing anything itself
+    (`wait_if_ahead`), as the driver serialises two threads' releases.
+    The thread owns these allocations' records from `start` to `finish`;
+    after a failed sleep `undo` maps the cache back, filled like after a
+    wake."""
+
+    def __init__(
+        self, driver: DeviceDriver, allocations: list[Allocation], *, ahead: bool = False
+    ) -> None:
         self._driver = driver
         self.allocations = allocations
+        self.ahead = ahead
         self.dropped = Dropped()
         self._thread: threading.Thread | None = None
+        self._started = False
         self._error: BaseException | None = None
         self._seconds = 0.0
+
+    @classmethod
+    def start_ahead(cls, driver: DeviceDriver, live: list[Allocation]) -> EarlyDrop:
+        """Starts releasing the mapped KV cache among `live` now, for a
+        sleep that follows on this thread to take over (KvCacheRelease)."""
+        early = cls(driver, [a for a in live if a.tag == KV_CACHE_TAG and a.mapped], ahead=True)
+        early.start()
+        return early
 
     @classmethod
     def split(
@@ -160,7 +182,9 @@ class EarlyDrop:
         return cls(driver, early), [a for a in to_drop if a.tag != KV_CACHE_TAG]
 
     def start(self) -> None:
-        if self.allocations:
+        """Starts the thread (once: an early drop started ahead stays as it is)."""
+        if self.allocations and not self._started:
+            self._started = True
             self._thread = threading.Thread(
                 target=self._run, name="graph-sleep-kv-release", daemon=True
             )
@@ -175,21 +199,33 @@ class EarlyDrop:
         self._seconds = time.perf_counter() - start
 
     def finish(self, clock: PhaseClock | None = None) -> Dropped:
-        """Waits for the release (a lap on `clock` names it); raises what
-        the thread raised other than a driver's refusal, which `drop` keeps."""
+        """Waits for the release (a lap on `clock` names it); raises, once,
+        what the thread raised other than a driver's refusal, which `drop`
+        keeps."""
+        self._join(clock)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.dropped
+
+    def wait_if_ahead(self, clock: PhaseClock) -> None:
+        """Before the sleep's own first release: waits for one started ahead
+        (what it raised is raised by `finish`, once the sleep is done)."""
+        if self.ahead:
+            self._join(clock)
+
+    def _join(self, clock: PhaseClock | None) -> None:
         thread, self._thread = self._thread, None
         if thread is None:
-            return self.dropped
+            return
         thread.join()
         if clock is not None:
             count = len(self.allocations) - len(self.dropped.failures)
+            since = ", started ahead" if self.ahead else ""
             clock.lap(
-                f"waiting for the {KV_CACHE_TAG}'s release on its thread ({count} "
+                f"waiting for the {KV_CACHE_TAG}'s release on its thread{since} ({count} "
                 f"allocations, {1000 * self._seconds:.1f} ms there)"
             )
-        if self._error is not None:
-            raise self._error
-        return self.dropped
 
     def undo(self, backups: Backups) -> str:
         """Maps back what the thread released; says so, for the sleep's error."""
@@ -200,9 +236,48 @@ class EarlyDrop:
         note = backups.restore_after_failed_sleep(emptied, [])
         size = format_bytes(sum(allocation.size for allocation in emptied))
         return (
-            f" (but the {KV_CACHE_TAG}, {size} released while the backup ran, came back "
+            f" (but the {KV_CACHE_TAG}, {size} released on its thread, came back "
             f"without its contents: vLLM clears it before every sleep{note})"
         )
+
+
+class KvCacheRelease:
+    """Whose thread releases the KV cache in a sleep: the sleep's own, or an
+    EarlyDrop, started by the sleep (`split`) or ahead of it (`ahead`). Owns
+    the one started ahead until a sleep takes it over."""
+
+    def __init__(self, driver: DeviceDriver, backups: Backups) -> None:
+        self._driver = driver
+        self._backups = backups
+        self._ahead: EarlyDrop | None = None
+
+    @contextlib.contextmanager
+    def ahead(self, live: Iterable[Allocation]) -> Iterator[None]:
+        """Inside, the mapped KV cache among `live` is released on a thread
+        of its own (the caller gave its contents up), for the sleep that
+        follows inside to take over; mapped back empty on the way out if no
+        sleep did."""
+        if self._ahead is not None:
+            raise RuntimeError("the KV cache's release was already started ahead of a sleep")
+        self._ahead = EarlyDrop.start_ahead(self._driver, list(live))
+        try:
+            yield
+        finally:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                note = ahead.undo(self._backups)
+                logger.warning("graph-sleep: no sleep took the KV cache's release over%s", note)
+
+    def split(
+        self, to_back_up: list[Allocation], to_drop: list[Allocation], kv_cache_cleared: bool
+    ) -> tuple[EarlyDrop, list[Allocation]]:
+        """The sleep's early drop and what its own thread drops: the one
+        started ahead, if any, taken over (EarlyDrop.split otherwise)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return EarlyDrop.split(self._driver, to_back_up, to_drop, kv_cache_cleared)
+        taken = {id(allocation) for allocation in ahead.allocations}
+        return ahead, [allocation for allocation in to_drop if id(allocation) not in taken]
 
 
 def retry_refused_frees(driver: DeviceDriver, clock: PhaseClock) -> None:

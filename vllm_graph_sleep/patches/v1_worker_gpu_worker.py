@@ -1,7 +1,8 @@
 """Patch: vllm.v1.worker.gpu_worker (Worker, get_mem_allocator_instance).
 
 vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model,
-Worker._maybe_get_memory_pool_context, Worker.sleep, Worker.wake_up,
+Worker._maybe_get_memory_pool_context, Worker.sleep,
+Worker._get_sleep_mode_backend, Worker.wake_up,
 Worker.reload_weights, Worker.finish_weight_update, Worker.shutdown, and the
 module global get_mem_allocator_instance that it calls; it calls
 vllm.utils.gc_utils.freeze_gc_heap. Verified against vLLM 0.26.0.
@@ -34,7 +35,10 @@ gate is on in this worker, this patch
   buffer, gathered on their device and copied in a few chunks with one wait
   (vllm_graph_sleep.model_buffers), where vLLM's own save makes a
   synchronous copy and a clone per buffer (129 on a Llama 8B); vLLM's sleep
-  then finds no buffer to save and the wake restores these;
+  then finds no buffer to save and the wake restores these. The save runs
+  first in our backend's suspend (GraphSleepBackend.first_in_suspend), while
+  the KV cache's release runs on a thread, and after vLLM has measured the
+  free memory that its log line's "freed" figure starts from;
 - keeps the model buffers a level-2 sleep saved until the wake that brings
   the weights back (vLLM 0.26 copies them into the still-unmapped weights
   when "kv_cache" is woken first);
@@ -216,9 +220,14 @@ def _wrap_sleep(original):
         if level != 2:
             return original(worker, *args, **kwargs)
         model = worker.model_runner.model
-        saved = model_buffers.save(model)
+        saved: dict[str, object] = {}
+        # In our backend's suspend, after vLLM's measure of free memory, beside
+        # the KV cache's release (GraphSleepBackend.first_in_suspend).
+        first = worker._get_sleep_mode_backend().first_in_suspend(
+            lambda: saved.update(model_buffers.save(model))
+        )
         try:
-            with model_buffers.hidden(model):
+            with first, model_buffers.hidden(model):
                 return original(worker, *args, **kwargs)
         finally:
             # Where vLLM's own save would have left them, also after a failure.
@@ -319,6 +328,7 @@ def apply() -> None:
     for name in ("reload_weights", "finish_weight_update"):
         wrap_function(gpu_worker.Worker, name, _wrap_refreeze_gc_heap, where=WHERE)
     require(gpu_worker.Worker, "sleep", where=WHERE, parameters=("level",))
+    require(gpu_worker.Worker, "_get_sleep_mode_backend", where=WHERE)
     wrap_function(gpu_worker.Worker, "sleep", _wrap_sleep, where=WHERE)
     require(gpu_worker.Worker, "wake_up", where=WHERE, parameters=("tags",))
     wrap_function(gpu_worker.Worker, "wake_up", _wrap_wake_up, where=WHERE)
