@@ -62,8 +62,7 @@ def save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     host memory, which vLLM's wake has read back by then (one level-2 sleep
     at a time; a failed sleep's save is taken again by its retry)."""
     started = time.perf_counter()
-    # The class's: `hidden` shadows the instance's while vLLM's sleep runs.
-    buffers = list(type(model).named_buffers(model))
+    buffers = list(_unhidden(model.named_buffers)())
     strided = [(name, buffer) for name, buffer in buffers if buffer.layout == torch.strided]
     key = tuple(
         (name, buffer.device, buffer.dtype, buffer.data_ptr(), buffer.shape, buffer.stride())
@@ -223,6 +222,9 @@ def hidden(model: object) -> Iterator[None]:
     def named_buffers(*args, **kwargs):
         return iter(())
 
+    # For `save` inside: the model's own (a wrapper's too, such as vLLM's
+    # CUDAGraphWrapper around a drafter, which forwards it to the model).
+    named_buffers.unhidden = model.named_buffers
     model.__dict__["named_buffers"] = named_buffers
     try:
         yield
@@ -234,3 +236,8 @@ def hidden(model: object) -> Iterator[None]:
 
 
 _NOTHING = object()
+
+
+def _unhidden(named_buffers):
+    """`named_buffers` as it was before `hidden` shadowed it, if it did."""
+    return getattr(named_buffers, "unhidden", named_buffers)

@@ -244,6 +244,34 @@ def test_the_save_runs_in_our_backend_after_vllms_measure_and_beside_the_kv_rele
     assert worker._sleep_saved_buffers == {}
 
 
+class _ForwardingWrapper:
+    """As vLLM's CUDAGraphWrapper around a drafter: not a Module; attribute
+    reads it lacks go to the model it wraps (its __getattr__)."""
+
+    def __init__(self, runnable) -> None:
+        self.runnable = runnable
+
+    def __getattr__(self, key):
+        if hasattr(self.runnable, key):
+            return getattr(self.runnable, key)
+        raise AttributeError
+
+
+def test_a_wrapped_model_has_its_buffers_saved_and_restored(worker):
+    """Found on an H100 (lease 22): the save read the model's class method,
+    which a wrapper's class does not have, and every level-2 sleep failed."""
+    inner = worker.model_runner.model
+    worker.model_runner.model = _ForwardingWrapper(inner)
+    before = {name: buffer.clone() for name, buffer in inner.named_buffers()}
+    assert worker.sleep(2) is None
+    _assert_same(worker._sleep_saved_buffers, inner)
+    _overwrite(inner, 0x5A)
+    worker.wake_up(None)
+    for name, buffer in inner.named_buffers():
+        assert torch.equal(_bits(buffer), _bits(before[name])), name
+    assert "named_buffers" not in worker.model_runner.model.__dict__
+
+
 def test_a_level_1_sleep_saves_nothing(worker):
     worker.model_runner.model.calls = 0
     worker.sleep(1)
