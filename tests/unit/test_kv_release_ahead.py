@@ -157,3 +157,14 @@ def test_the_backend_runs_the_first_step_beside_the_release_at_level_2(install_a
     assert driver.unmap_threads[addresses["kv_cache"]] == KV_THREAD
     backend.resume()
     assert bool((driver.read(addresses["cudagraph"]) == 3).all())
+
+
+def test_a_second_start_ahead_is_refused_and_the_first_goes_on():
+    driver, manager, addresses = _engine()
+    with manager.kv_cache_released_ahead():
+        with pytest.raises(RuntimeError, match="already started ahead"):
+            with manager.kv_cache_released_ahead():
+                pass
+        _level_2(manager)
+    assert driver.unmap_threads[addresses["kv_cache"]] == KV_THREAD
+    assert manager.mapped_bytes() == 0
