@@ -11,7 +11,7 @@ once; the wake copies them back as vLLM does, from these host tensors.
 
 Why gathered: one asynchronous copy per buffer (9f1e411) still took 3.8-7.4
 ms of the 8B's level-2 sleeps, the most of what they spend outside the
-allocator (lease 16, docs/results/sleep-speed-h100.md); for 129 such buffers
+allocator (lease 16, docs/results/archive/sleep-speed-h100-2026-12-07.md); for 129 such buffers
 on an H100, 2.9-3.0 ms per save against 0.9 ms gathered. In the engine the
 save still took 4.5-9.7 ms of the 8B's level-2 sleeps, 6.4-12.1 ms outside the
 allocator, most of it before the device's wait (lease 18): the log line times

@@ -119,7 +119,7 @@ def _launch_table(layout: _Layout, pinned: bool) -> torch.Tensor:
     for a GPU: kept, so that a sleep over the layout of the one before builds
     nothing on the host. Built at a sleep on the 8B, it took 12-37 ms at some
     (why is open) and 0.3-1.3 ms at the others; kept, 0.02-0.14 ms at every
-    sleep that found it (leases 13-15, docs/results/sleep-speed-h100.md)."""
+    sleep that found it (leases 13-15, docs/results/archive/sleep-speed-h100-2026-12-07.md)."""
     base = min(address for address, size in layout if size)
     offsets = _offsets(_block_table(layout), base)
     return offsets.pin_memory() if pinned else offsets

@@ -2,8 +2,9 @@
 with one physical allocation and one mapping (`DeviceDriver.create_and_map_run`),
 everything else one allocation at a time. A sleep then gives a run back with
 one unmap and one release, where the 8B's 134 weight allocations each cost a
-release of their own (issue 38; docs/results/sleep-speed-h100.md). Owns
-whether runs are tried."""
+release of their own (issue 38, leases 17-19 in
+docs/results/archive/sleep-speed-h100-2026-12-07.md). Owns whether runs are
+tried."""
 
 from __future__ import annotations
 

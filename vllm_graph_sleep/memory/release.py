@@ -175,7 +175,7 @@ class EarlyDrop:
         the thread only adds contention, as the driver serialises the two
         threads' releases (the 8B's level-2 sleeps were shorter on one thread,
         each of three against each of three in one run: lease 20 in
-        docs/results/sleep-speed-h100.md)."""
+        docs/results/archive/sleep-speed-h100-2026-12-07.md)."""
         if not (kv_cache_cleared and any(a.tag == WEIGHTS_TAG for a in to_back_up)):
             return cls(driver, []), to_drop
         early = [allocation for allocation in to_drop if allocation.tag == KV_CACHE_TAG]

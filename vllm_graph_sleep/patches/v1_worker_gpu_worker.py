@@ -46,7 +46,8 @@ gate is on in this worker, this patch
   (reload_weights) or a weight transfer (finish_weight_update) is done, as
   vLLM freezes it once warm-up is done: otherwise every later sleep's
   gc.collect() scans what the reload made (15,000 objects on the 8B, 4.4-6.4
-  ms a sleep against 0.1-0.2 ms refrozen; docs/results/sleep-speed-h100.md);
+  ms a sleep against 0.1-0.2 ms refrozen; leases 13 and 14 in
+  docs/results/archive/sleep-speed-h100-2026-12-07.md);
 - at shutdown, drops the graph pool, points the platform's global graph pool
   back at nothing and marks the process inactive, so that a next engine in the
   same process (vLLM's test suites make several) starts as if it were the

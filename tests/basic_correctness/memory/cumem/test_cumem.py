@@ -815,7 +815,7 @@ def test_an_arena_chunk_goes_back_to_the_driver_once_it_is_done_and_its_ranges_a
     Whether a chunk is free is asked of the driver with a reservation as
     large as the ranges, hinted at the chunk's start: on driver 580 a hint of
     8 MiB there is never honoured, one of 32 GiB aligned to 1 GiB is once the
-    chunk is gone (lease 19, docs/results/sleep-speed-h100.md)."""
+    chunk is gone (lease 19, docs/results/archive/sleep-speed-h100-2026-12-07.md)."""
     alloc = manager()
     library = allocator_library(alloc)
     free_bytes, _ = torch.cuda.mem_get_info()
