@@ -1,11 +1,11 @@
 """Unmapping: the half of a sleep that releases: first what frees the driver
 refused left (retry_refused_frees); a KV cache the caller has cleared, on a
-thread of its own while the weights' backup runs, or ahead of a level-2
-sleep (EarlyDrop); then the
-allocations that have a host backup, all or none (a failure maps back what
-went); then the other ones dropped without a backup, as many as the driver
-lets go; and a discard. Holds no state past a sleep: what is mapped lives on
-each allocation's record."""
+thread of its own while the weights' backup runs, or ahead of a level-2 sleep
+(EarlyDrop, KvCacheRelease); then the allocations that have a host backup,
+all or none (a failure maps back what went); then the other ones dropped
+without a backup, as many as the driver lets go; and a discard. Holds no
+state past a sleep (KvCacheRelease holds a release started ahead only until
+its sleep takes it over): what is mapped lives on each allocation's record."""
 
 from __future__ import annotations
 
@@ -136,10 +136,11 @@ class EarlyDrop:
     the backend's suspend): it overlaps the host work before the sleep's
     first release (the model's buffers saved, the workspaces, the garbage),
     and the sleep waits for it before releasing anything itself
-    (`wait_if_ahead`), as the driver serialises two threads' releases.
-    The thread owns these allocations' records from `start` to `finish`;
-    after a failed sleep `undo` maps the cache back, filled like after a
-    wake."""
+    (`wait_if_ahead`), as the driver serialises two threads' releases. On
+    the 8B the level-2 sleeps went from 0.84x stock's to 0.64x (medians,
+    lease 22 in docs/results/sleep-speed-h100.md). The thread owns these
+    allocations' records from `start` to `finish`; after a failed sleep
+    `undo` maps the cache back, filled like after a wake."""
 
     def __init__(
         self, driver: DeviceDriver, allocations: list[Allocation], *, ahead: bool = False
