@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
@@ -150,7 +150,6 @@ class EarlyDrop:
         self.ahead = ahead
         self.dropped = Dropped()
         self._thread: threading.Thread | None = None
-        self._started = False
         self._error: BaseException | None = None
         self._seconds = 0.0
 
@@ -159,7 +158,7 @@ class EarlyDrop:
         """Starts releasing the mapped KV cache among `live` now, for a
         sleep that follows on this thread to take over (KvCacheRelease)."""
         early = cls(driver, [a for a in live if a.tag == KV_CACHE_TAG and a.mapped], ahead=True)
-        early.start()
+        early._launch()
         return early
 
     @classmethod
@@ -183,9 +182,12 @@ class EarlyDrop:
         return cls(driver, early), [a for a in to_drop if a.tag != KV_CACHE_TAG]
 
     def start(self) -> None:
-        """Starts the thread (once: an early drop started ahead stays as it is)."""
-        if self.allocations and not self._started:
-            self._started = True
+        """Starts the thread; one started ahead is running already."""
+        if not self.ahead:
+            self._launch()
+
+    def _launch(self) -> None:
+        if self.allocations:
             self._thread = threading.Thread(
                 target=self._run, name="graph-sleep-kv-release", daemon=True
             )
@@ -253,14 +255,14 @@ class KvCacheRelease:
         self._ahead: EarlyDrop | None = None
 
     @contextlib.contextmanager
-    def ahead(self, live: Iterable[Allocation]) -> Iterator[None]:
+    def ahead(self, live: list[Allocation]) -> Iterator[None]:
         """Inside, the mapped KV cache among `live` is released on a thread
         of its own (the caller gave its contents up), for the sleep that
         follows inside to take over; mapped back empty on the way out if no
         sleep did."""
         if self._ahead is not None:
             raise RuntimeError("the KV cache's release was already started ahead of a sleep")
-        self._ahead = EarlyDrop.start_ahead(self._driver, list(live))
+        self._ahead = EarlyDrop.start_ahead(self._driver, live)
         try:
             yield
         finally:
