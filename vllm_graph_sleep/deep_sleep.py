@@ -265,8 +265,10 @@ class DeepSleep:
             try:
                 self._driver.checkpoint(pid)
             except Exception as error:
+                failed = Checkpointed(pid, device, held, locked - started, 0.0)
                 raise DeepSleepError(
-                    f"the driver would not checkpoint pid {pid}: {error}; {self._unlock_after(pid)}"
+                    f"the driver would not checkpoint pid {pid}: {error}; "
+                    f"{self._unlock_after(failed)}"
                 ) from error
             done = time.perf_counter()
             self.checkpointed = Checkpointed(pid, device, held, locked - started, done - locked)
@@ -293,20 +295,23 @@ class DeepSleep:
                 raise
             self._driver.init()
 
-    def _unlock_after(self, pid: int) -> str:
-        """Unlocks `pid` after a refused checkpoint; says how that went. One
-        left locked is held (a wake retries the unlock)."""
+    def _unlock_after(self, failed: Checkpointed) -> str:
+        """Unlocks the process of a refused checkpoint; says how that went.
+        Unless the driver then says it runs, the process is held, as the
+        driver left it (a wake restores or unlocks it): locked, or, where the
+        driver would not say, locked as far as anyone knows."""
+        pid = failed.pid
         try:
             self._driver.unlock(pid)
         except Exception as error:
             state = self._state(pid)
-            if state == "locked":
+            if state == "running":
+                return f"unlocking it failed ({error}), but it runs, asleep as the sleep left it"
+            if state == "checkpointed":
+                self.checkpointed = failed
+            else:
                 self.locked_pid = pid
-                return (
-                    f"unlocking it failed too ({error}): it stays locked, asleep as the sleep "
-                    f"left it{_RETRY_NOTE}"
-                )
-            return f"unlocking it failed ({error}); it is now {state}"
+            return f"unlocking it failed too ({error}): it stays {state}{_RETRY_NOTE}"
         return "it was unlocked and stays asleep as the sleep left it"
 
     def restore(self) -> float:
@@ -337,8 +342,11 @@ class DeepSleep:
             try:
                 self._driver.restore(target.pid)
             except Exception as error:
+                # Forgotten only where the driver says it is no longer
+                # checkpointed: a wake that skipped the restore of a process
+                # still checkpointed would wait on the driver's lock for ever.
                 state = self._state(target.pid)
-                if state != "checkpointed":
+                if state in ("running", "locked"):
                     self.checkpointed = None
                 if state == "locked":  # restored: the unlock is what is left
                     self.locked_pid = target.pid
@@ -369,6 +377,9 @@ class DeepSleep:
         try:
             self._driver.unlock(pid)
         except Exception as error:
+            if self._state(pid) == "running":  # unlocked after all
+                self.locked_pid = None
+                return
             raise DeepWakeError(
                 f"pid {pid} {failure}: {error}{_RETRY_NOTE}", checkpointed=True
             ) from error

@@ -26,11 +26,13 @@ once) the request is cancelled and gets 503 with Retry-After and a JSON error,
 and the engine never sees it. A streaming response starts (200) before vLLM
 asks the engine, so for a request that arrives while the engine may be asleep
 the gate holds back what vLLM sends until the request has passed that point. A
-request that found the engine awake but was overtaken by a /sleep is bounded
-the same way: cancelled (vLLM aborts it) and answered 503 if the engine stays
-asleep for the whole bound before it answers, except while a /sleep or
-/pause with mode=wait drains: the engine counts as paused then, and finishes
-the requests in flight, as that mode promises. It asks the engine
+request that found the engine awake but was overtaken by a /sleep or /pause
+forwarded by this server is bounded the same way: cancelled (vLLM aborts it)
+and answered 503 if the engine stays asleep for the whole bound before it
+answers, except while a /sleep or /pause with mode=wait drains: the engine
+counts as paused then, and finishes the requests in flight, as that mode
+promises. One overtaken by another API server's sleep is not bounded (as in
+stock): this process cannot tell that sleep's drain from a sleep. It asks the engine
 (is_sleeping) only after this API server forwarded a /sleep or /pause, or on
 every inference request when several API server processes share the engine
 (--api-server-count > 1), where another process may have put it to sleep; one
@@ -42,8 +44,9 @@ A level-2 sleep discards the weights, and a wake maps them back without a
 backup (vLLM's Worker.sleep): after a level-2 sleep through this server,
 requests are held, even once the engine is awake, until a reload or update of
 the weights through this server has succeeded (a /collective_rpc call other
-than NOT_WEIGHT_LOADS, or the dev/rlhf weight-transfer routes); past the bound
-they get 503 saying so. Stock vLLM serves them on whatever the fresh pages hold.
+than NOT_WEIGHT_LOADS, or the dev/rlhf weight-transfer routes; an update of
+the draft model alone does not count); past the bound they get 503 saying so.
+Stock vLLM serves them on whatever the fresh pages hold.
 A level-2 sleep that vLLM turns into nothing, because its executor already
 sleeps (after a level-1 sleep, or a wake of the weights alone), discards
 nothing and holds nothing (executor_sleep says when). A middleware inside the
@@ -61,6 +64,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from starlette.datastructures import QueryParams
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -73,7 +77,6 @@ from vllm_graph_sleep.executor_sleep import (
     refused_before_the_engine,
 )
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG
-from vllm_graph_sleep.settings import parse_yes_no
 
 #: The hold of the HTTP request being served (set by AsleepGate for the tasks
 #: that serve one HTTP request): an object whose `async until_awake(engine)`
@@ -92,6 +95,7 @@ RPC_PATH = "/collective_rpc"
 #: The dev/rlhf router's weight-transfer routes, by the worker method each calls.
 WEIGHT_ROUTES = {
     "/start_weight_update": "start_weight_update",
+    "/start_draft_weight_update": "start_draft_weight_update",
     "/update_weights": "update_weights",
     "/finish_weight_update": "finish_weight_update",
 }
@@ -99,6 +103,9 @@ WEIGHT_ROUTES = {
 WEIGHT_PATHS = (RPC_PATH, *WEIGHT_ROUTES)
 #: Worker methods that start a weight update (finish_weight_update ends it).
 WEIGHT_UPDATE_STARTS = ("start_weight_update", "start_draft_weight_update")
+#: The one of them whose update loads the draft model only: its end does not
+#: bring back the target model's weights that a level-2 sleep discarded.
+DRAFT_UPDATE_START = "start_draft_weight_update"
 #: Worker methods known to leave the weights as they are. Any other method
 #: that succeeds through /collective_rpc counts as loading them: vLLM's
 #: reload_weights, load_model and update_weights, and the loaders of worker
@@ -216,13 +223,23 @@ def max_held_requests(environ: Mapping[str, str] | None = None) -> int:
     return settings.MAX_HELD_REQUESTS.read(environ)
 
 
+#: How FastAPI reads a bool query parameter (pydantic's lax bool: true, 1,
+#: yes, on, y, t in any case), as vLLM's /pause reads wait_for_inflight_requests.
+_QUERY_BOOL = TypeAdapter(bool)
+
+
 def _drains(path: str, params: QueryParams) -> bool:
     """Whether this /sleep or /pause lets the requests in flight finish first:
-    mode=wait, or /pause's deprecated wait_for_inflight_requests=true."""
+    mode=wait, or /pause's deprecated wait_for_inflight_requests, read as vLLM
+    reads it (a value it refuses is answered 422 and drains nothing)."""
     if params.get("mode") == "wait":
         return True
-    waits = params.get("wait_for_inflight_requests", "")
-    return path == PAUSE_PATH and parse_yes_no(waits) is True
+    if path != PAUSE_PATH or "wait_for_inflight_requests" not in params:
+        return False
+    try:
+        return _QUERY_BOOL.validate_python(params["wait_for_inflight_requests"])
+    except ValidationError:
+        return False
 
 
 def _weights_method(path: str, body: bytes) -> str | None:
@@ -362,7 +379,8 @@ class AsleepGate:
         # maps them back without a backup, so requests wait for a reload or
         # an update (weights_back is set then).
         self.weights_missing = False
-        self.weight_update_open = False
+        # The worker method that started the weight update in progress, if any.
+        self.weight_update_open: str | None = None
         self.weights_back = asyncio.Event()
         self.executor = ExecutorSleep()
 
@@ -520,11 +538,13 @@ class AsleepGate:
         if method is None or method in NOT_WEIGHT_LOADS:
             return
         if method in WEIGHT_UPDATE_STARTS:
-            self.weight_update_open = True
+            self.weight_update_open = method
         elif method == "update_weights" and self.weight_update_open:
             pass  # one part of an update that finish_weight_update ends
+        elif method == "finish_weight_update" and self.weight_update_open == DRAFT_UPDATE_START:
+            self.weight_update_open = None  # the draft model's weights: the target's still wait
         else:
-            self.weight_update_open = False
+            self.weight_update_open = None
             self.weights_missing = False
             self.weights_back.set()
 

@@ -145,6 +145,43 @@ def test_a_failed_restore_that_leaves_the_checkpoint_can_be_retried(engine_pid):
     assert lib.states[engine_pid] == "running"
 
 
+def test_a_failed_restore_whose_state_the_driver_will_not_tell_keeps_the_checkpoint(engine_pid):
+    """Forgotten, the checkpoint would be skipped by the next wake, whose
+    engine calls would then wait on a process still checkpointed."""
+    lib = FakeLibcuda()
+    deep, _ = controller(engine_pid, lib)
+    deep.checkpoint(engine_pid)
+    lib.refuse["cuCheckpointProcessRestore"] = 1
+    lib.refuse["cuCheckpointProcessGetState"] = 1
+    with pytest.raises(DeepWakeError, match=r"it is now unknown") as failed:
+        deep.restore()
+    assert failed.value.checkpointed is True and deep.holds_engine
+    assert lib.states[engine_pid] == "checkpointed"
+    del lib.refuse["cuCheckpointProcessRestore"], lib.refuse["cuCheckpointProcessGetState"]
+    deep.restore()
+    assert lib.states[engine_pid] == "running" and not deep.holds_engine
+
+
+def test_a_refused_checkpoint_whose_unlock_fails_in_an_unknown_state_stays_held(engine_pid):
+    lib = FakeLibcuda(refuse={"cuCheckpointProcessCheckpoint": 801})
+    checkpoint = lib.cuCheckpointProcessCheckpoint
+
+    def checkpoint_then_no_state(pid, args):  # the state query works until then
+        lib.refuse["cuCheckpointProcessGetState"] = 1
+        return checkpoint(pid, args)
+
+    lib.cuCheckpointProcessCheckpoint = checkpoint_then_no_state
+    deep, _ = controller(engine_pid, lib)
+    lib.refuse["cuCheckpointProcessUnlock"] = 999
+    with pytest.raises(DeepSleepError, match="unlocking it failed too") as failed:
+        deep.checkpoint(engine_pid)
+    assert "wake it again" in str(failed.value)
+    assert lib.states[engine_pid] == "locked" and deep.holds_engine
+    del lib.refuse["cuCheckpointProcessUnlock"], lib.refuse["cuCheckpointProcessGetState"]
+    deep.restore()  # the wake's part: the unlock
+    assert lib.states[engine_pid] == "running" and not deep.holds_engine
+
+
 def test_a_restore_whose_unlock_fails_keeps_the_engine_held_and_a_retry_unlocks_it(engine_pid):
     lib = FakeLibcuda()
     deep, _ = controller(engine_pid, lib)

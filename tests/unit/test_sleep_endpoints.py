@@ -621,6 +621,30 @@ def test_a_request_overtaken_by_a_short_sleep_is_served(llama, wait_s):
     ]
 
 
+def test_a_request_overtaken_by_another_api_servers_drain_is_not_cut_off(llama, wait_s):
+    """With --api-server-count 2, a /sleep with mode=wait sent to the other
+    process drains the engine: this process cannot tell that from a sleep, so
+    its request in flight is left to finish, past the bound."""
+    wait_s(0.3)
+
+    async def scenario(client, core):
+        client._transport.app.state.args.api_server_count = 2
+        core.busy_s = 1.0
+
+        async def other_servers_drain():
+            await asyncio.sleep(0.1)
+            await core.sleep_async(1, "wait")
+
+        answer, _ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)), other_servers_drain()
+        )
+        return answer
+
+    answer = serve_vllm(llama, scenario)
+    assert answer.status_code == 200, answer.text[:300]
+    assert answer.json()["choices"][0]["token_ids"] == [100, 101, 102, 103]
+
+
 def test_a_handler_that_ignores_the_cut_off_is_cancelled(wait_s):
     """vLLM's handlers stop when AsleepGate cuts a refused request off (they
     see the client go); one that does not listen for that (a streaming response
@@ -669,10 +693,23 @@ def test_repeated_wake_up_tag_is_rejected_before_the_engine(client, engine, tags
     assert engine.calls == []
 
 
-@pytest.mark.parametrize("route", ["/sleep?level=1&mode=wait", "/pause?mode=wait"])
+@pytest.mark.parametrize(
+    "route",
+    [
+        "/sleep?level=1&mode=wait",
+        "/pause?mode=wait",
+        # The deprecated flag, in spellings FastAPI reads as true.
+        "/pause?wait_for_inflight_requests=true",
+        "/pause?wait_for_inflight_requests=y",
+        "/pause?wait_for_inflight_requests=T",
+        "/pause?wait_for_inflight_requests=on",
+    ],
+)
 def test_a_wait_drain_finishes_requests_in_flight_past_the_bound(llama, wait_s, route):
     """mode=wait promises to let requests in flight finish; the engine counts as
-    asleep (paused) while it drains, which the in-flight bound must not count."""
+    asleep (paused) while it drains, which the in-flight bound must not count.
+    The gate reads /pause's flag as vLLM does, or it would cut off a request
+    the engine drains."""
     wait_s(0.3)
 
     async def scenario(client, core):
@@ -829,6 +866,38 @@ def test_after_level_2_a_started_weight_update_releases_requests_when_it_ends(ll
     assert answer.status_code == 200 and answer.seconds >= 0.8, answer.text[:300]
     added = [i for i, call in enumerate(calls) if call[0] == "add"]
     assert added and min(added) > calls.index(("rpc", "finish_weight_update"))
+
+
+@pytest.mark.parametrize("through", ["route", "rpc"])
+def test_after_level_2_a_draft_model_update_alone_does_not_release_requests(llama, wait_s, through):
+    """An update started with start_draft_weight_update loads the draft model
+    only: the target model's weights, discarded by the level-2 sleep, are still
+    missing when it ends, so requests wait for their reload."""
+    wait_s(5)
+
+    def call(client, method, delay, update_info=None):
+        if through == "route":
+            body = b"" if update_info is None else json.dumps({"update_info": update_info})
+            return timed_post(client, f"/{method}", body, delay)
+        rpc = {"method": method, "args": [] if update_info is None else [update_info]}
+        return timed_post(client, "/collective_rpc", json.dumps(rpc).encode(), delay)
+
+    async def scenario(client, core):
+        await timed_post(client, "/sleep?level=2")
+        answer, *_ = await asyncio.gather(
+            timed_post(client, "/v1/completions", completion(llama)),
+            timed_post(client, "/wake_up", delay=0.2),
+            call(client, "start_draft_weight_update", 0.3),
+            call(client, "update_weights", 0.4, update_info={}),
+            call(client, "finish_weight_update", 0.5),
+            timed_post(client, "/collective_rpc", b'{"method": "reload_weights"}', delay=1.0),
+        )
+        return answer, core.calls
+
+    answer, calls = serve_vllm(llama, scenario)
+    assert answer.status_code == 200 and answer.seconds >= 1.0, answer.text[:300]
+    added = [i for i, call in enumerate(calls) if call[0] == "add"]
+    assert added and min(added) > calls.index(("rpc", "reload_weights")), calls
 
 
 def test_after_level_2_a_request_gets_503_until_the_weights_are_reloaded(llama, wait_s):
