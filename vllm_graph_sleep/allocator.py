@@ -192,10 +192,10 @@ class GraphSleepAllocator:
         """`settings`: the switches as the worker read them (default: read from
         the environment now); a field of them given as a keyword (not None)
         overrides its switch, and `compress_backups` given is taken as it is,
-        unchecked. `settler`: the probe thread to use when settling is on."""
+        unchecked (`self.settings`: what it was made with). `settler`: the probe thread."""
         given = AllocatorSettings.from_environ() if settings is None else settings
         given = dataclasses.replace(given, **{k: v for k, v in overrides.items() if v is not None})
-        self._driver = driver
+        self.settings, self._driver = given, driver
         self.release_host_memory = given.release_host_memory
         self._settler = None
         if given.settle_after_sleep:

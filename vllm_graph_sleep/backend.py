@@ -77,6 +77,11 @@ class GraphSleepBackend(SleepModeBackend):
             asleep = self._allocator.get_current_usage() - self._allocator.mapped_bytes()
             self._state = "RUNNING" if asleep == 0 else "SUSPENDED"
 
+    def is_asleep(self, tag: str) -> bool:
+        """Whether memory of `tag` is asleep (unmapped, backed up or not)."""
+        usage = self._allocator.usage_by_tag().get(tag)
+        return usage is not None and usage["backed_up"] + usage["dropped"] > 0
+
     @classmethod
     def preserves_communicators(cls) -> bool:
         # NCCL and custom all-reduce buffers live outside our pools.

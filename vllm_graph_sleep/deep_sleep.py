@@ -392,6 +392,35 @@ class DeepSleep:
             return f"unknown ({error})"
 
 
+# -- an API server's engine client ---------------------------------------------
+
+#: The controller an API server deep-sleeps each engine client's engine with.
+_server_controllers: weakref.WeakKeyDictionary[Any, DeepSleep] = weakref.WeakKeyDictionary()
+
+
+def serve_deep_sleep(engine_client: Any, controller: DeepSleep) -> None:
+    """Notes that `controller` may checkpoint the engine of `engine_client`
+    (an AsyncLLM), for `restore_before_shutdown`."""
+    _server_controllers[engine_client] = controller
+
+
+def restore_before_shutdown(engine_client: Any) -> None:
+    """Restores the engine of `engine_client` if its controller holds it
+    checkpointed, before the client stops it (patch vllm.v1.engine.async_llm):
+    vLLM's shutdown would otherwise stop an engine core whose CUDA calls wait
+    on the driver's lock. vLLM's launcher stops the engine client on SIGINT
+    or SIGTERM before the HTTP server's lifespan ends, so the server's own
+    shutdown comes too late for this. A restore that fails is logged, and the
+    shutdown goes on."""
+    controller = _server_controllers.get(engine_client)
+    if controller is None or not controller.holds_engine:
+        return
+    try:
+        controller.restore()
+    except DeepWakeError as error:
+        logger.error("graph-sleep: at shutdown, the engine was not restored: %s", error)
+
+
 # -- offline: vllm.LLM ---------------------------------------------------------
 
 #: One controller per LLM, made at its first deep sleep.

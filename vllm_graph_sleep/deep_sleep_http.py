@@ -21,8 +21,9 @@
   for it to end, then is judged by the state it left (a wake sent during a
   checkpoint restores the engine it finds checkpointed; a second deep sleep
   gets 409). Before that, every request takes stock's path.
-- At the server's shutdown a checkpointed engine is restored first, so that
-  vLLM stops an engine core that runs again.
+- When the engine client shuts down (the server's shutdown), a checkpointed
+  engine is restored first, so that vLLM stops an engine core that runs again
+  (deep_sleep.restore_before_shutdown).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from vllm_graph_sleep.deep_sleep import (
     DeepWakeError,
     controller_for,
     engine_core_pids,
+    serve_deep_sleep,
 )
 from vllm_graph_sleep.request_gate import (
     ENGINE_SLEPT,
@@ -111,9 +113,6 @@ class DeepSleepEndpoints:
         return self._controller is not None and self._controller.holds_engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self.app(scope, self._restoring_at_shutdown(receive), send)
-            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -159,22 +158,6 @@ class DeepSleepEndpoints:
             return
         await self.app(scope, receive, send)
 
-    def _restoring_at_shutdown(self, receive: Receive) -> Receive:
-        """The server's lifespan messages, a checkpointed engine restored
-        before shutdown goes on: vLLM then stops an engine core that runs
-        again, not one the driver holds locked."""
-
-        async def receive_restoring() -> Message:
-            message = await receive()
-            if message["type"] == "lifespan.shutdown" and self.checkpointed:
-                try:
-                    await asyncio.to_thread(self._controller.restore)
-                except DeepWakeError as error:
-                    logger.error("graph-sleep: at shutdown, the engine was not restored: %s", error)
-            return message
-
-        return receive_restoring
-
     async def _refuse_while_checkpointed(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _error(
             409,
@@ -196,6 +179,7 @@ class DeepSleepEndpoints:
         if why is not None:
             await _error(409, f"deep sleep refused: {why}")(scope, receive, send)
             return
+        serve_deep_sleep(state.engine_client, self._controller)
         inner = _Buffered()
         await self.app(scope, receive, inner.send)
         if inner.status != 200:

@@ -339,6 +339,41 @@ class AllocatorSettings:
             host_buffers=HOST_BUFFERS.read(environ),
         )
 
+    def require_same(self, now: AllocatorSettings) -> None:
+        """ValueError naming each switch whose value `now` (what a next engine
+        in this process read) differs from these, the ones the process's
+        allocator was made with: it reads them once per process, and a
+        change would otherwise be ignored without a word."""
+        changed = [
+            f"{_ALLOCATOR_SWITCHES[field.name].name} (was {getattr(self, field.name)!r}, now "
+            f"{getattr(now, field.name)!r})"
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != getattr(now, field.name)
+        ]
+        if changed:
+            raise ValueError(
+                "the allocator's switches changed since the first engine in this process: "
+                f"{'; '.join(changed)}. They are read once per process (None: unset); start "
+                "this engine in a process of its own (vLLM's default engine core process, "
+                "VLLM_ENABLE_V1_MULTIPROCESSING=1) or keep them as they were"
+            )
+
+
+#: The switch each field of AllocatorSettings is read from.
+_ALLOCATOR_SWITCHES = {
+    "zero_on_wake": ZERO_ON_WAKE,
+    "release_host_memory": RELEASE_HOST_MEMORY,
+    "release_stack": RELEASE_STACK,
+    "release_blas_workspaces": RELEASE_BLAS_WORKSPACES,
+    "settle_after_sleep": SETTLE_AFTER_SLEEP,
+    "compress_backups": COMPRESS_BACKUPS,
+    "keep_unchanged_backups": KEEP_UNCHANGED_BACKUPS,
+    "whole_graph_pool_backup": WHOLE_GRAPH_POOL_BACKUP,
+    "poison_graph_scratch": POISON_GRAPH_SCRATCH,
+    "poison_remapped": POISON_REMAPPED,
+    "host_buffers": HOST_BUFFERS,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class GateSettings:
@@ -362,7 +397,9 @@ def environment_reference() -> str:
         "a test checks that this page matches it. Yes/no switches accept "
         f"{'/'.join(f'`{v}`' for v in YES_VALUES)} and {'/'.join(f'`{v}`' for v in NO_VALUES)}, "
         "in any case; unset or empty means the default. A value a switch refuses stops its "
-        "reader at start with an error that names the variable.",
+        "reader at start with an error that names the variable. The worker's switches are read "
+        "once per process: a next engine in the same process (an in-process engine core) that "
+        "reads other values is stopped at start, its error naming the variables that changed.",
         "",
         "| variable | default | read by | effect |",
         "|---|---|---|---|",

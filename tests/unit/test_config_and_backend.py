@@ -169,6 +169,23 @@ def test_a_refused_switch_stops_the_worker_before_it_sets_anything_up(
     assert config.is_active()
 
 
+def test_a_next_engine_whose_switches_changed_is_refused_before_it_sets_anything_up(
+    worker_patch, monkeypatch
+):
+    """The process's allocator was made with the first engine's switches and
+    keeps them; a next engine in the process that read others is told so,
+    instead of running with switches it did not ask for."""
+    init_device, routed = worker_patch
+    monkeypatch.setenv("VLLM_GRAPH_SLEEP_RELEASE_STACK", "0")
+    worker = FakeWorker(engine_config(on=True))
+    with pytest.raises(ValueError, match=r"VLLM_GRAPH_SLEEP_RELEASE_STACK \(was True, now False\)"):
+        init_device(worker)
+    assert worker.seen_nccl == "unset" and not config.is_active() and routed == []
+    monkeypatch.delenv("VLLM_GRAPH_SLEEP_RELEASE_STACK")  # as the first engine read them
+    init_device(worker)
+    assert config.is_active()
+
+
 def test_worker_touches_nothing_when_the_gate_is_off(worker_patch):
     init_device, routed = worker_patch
     worker = FakeWorker(engine_config(on=False))
@@ -200,26 +217,6 @@ def test_a_second_engine_starts_beside_what_the_first_still_holds(
     driver.tensor_dies(leftover)
     manager.sleep(offload_tags=("weights",))  # a dead orphan is handed back like any
     assert leftover not in manager.allocations
-
-
-def test_a_kv_cache_first_wake_keeps_level_2_buffers_for_the_weights_wake(monkeypatch):
-    monkeypatch.setattr(config, "_active_in_this_process", True)
-    restored = []
-
-    class Worker:
-        _sleep_saved_buffers = {"rotary": "cpu copy"}
-
-        def wake_up(self, tags=None):
-            if self._sleep_saved_buffers:  # vLLM copies them back into the weights
-                restored.append((tags, dict(self._sleep_saved_buffers)))
-                self._sleep_saved_buffers = {}
-
-    wake_up = v1_worker_gpu_worker._wrap_wake_up(Worker.wake_up)
-    worker = Worker()
-    wake_up(worker, ["kv_cache"])
-    assert restored == [] and worker._sleep_saved_buffers == {"rotary": "cpu copy"}
-    wake_up(worker, ["weights"])
-    assert restored == [(["weights"], {"rotary": "cpu copy"})]
 
 
 def test_shutdown_resets_the_process_for_a_next_engine(monkeypatch, fake_allocator):

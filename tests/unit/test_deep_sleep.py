@@ -8,6 +8,7 @@ code in `vllm serve`, is on docs/results/checkpoint-h200.md."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -300,12 +301,32 @@ def test_a_wake_without_room_answers_503_and_the_engine_stays_asleep(engine_pid,
     assert engine.calls[-1] == ("wake_up", None) and lib.states[engine_pid] == "running"
 
 
-def test_a_server_shut_down_checkpointed_restores_the_engine_first(engine_pid, monkeypatch):
+@pytest.mark.parametrize("refused", [False, True], ids=["restored", "no_room"])
+def test_an_engine_client_shut_down_checkpointed_restores_the_engine_first(
+    engine_pid, monkeypatch, caplog, refused
+):
+    """vLLM's launcher stops the engine client (AsyncLLM.shutdown) on SIGINT
+    or SIGTERM before the HTTP server's lifespan ends: the restore must come
+    at the client's shutdown, ahead of vLLM's own. One that fails is logged,
+    and the shutdown goes on."""
+    from vllm_graph_sleep.patches import v1_engine_async_llm
+
     client, engine, deep, lib = http(engine_pid, monkeypatch)
-    with client:  # the server's lifespan: startup now, shutdown at the end
-        assert client.post("/sleep?checkpoint=1").status_code == 200
-        assert lib.states[engine_pid] == "checkpointed"
-    assert lib.states[engine_pid] == "running" and deep.checkpointed is None
+    assert client.post("/sleep?checkpoint=1").status_code == 200
+    if refused:
+        deep._memory.free = 0
+    seen_by_vllm = []
+    shutdown = v1_engine_async_llm._wrap_shutdown(
+        lambda engine_client, timeout=None: seen_by_vllm.append(lib.states[engine_pid])
+    )
+    with caplog.at_level(logging.ERROR, logger="vllm.graph_sleep"):
+        shutdown(engine, timeout=5)
+    if refused:
+        assert seen_by_vllm == ["checkpointed"]
+        assert "at shutdown, the engine was not restored" in caplog.text
+    else:
+        assert seen_by_vllm == ["running"] and not deep.holds_engine
+    shutdown(engine)  # a second shutdown (vLLM's __del__) finds nothing more to do
 
 
 def test_a_refused_deep_sleep_does_not_sleep(engine_pid, monkeypatch):

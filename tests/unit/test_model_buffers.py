@@ -331,3 +331,84 @@ def test_without_device_memory_for_the_gather_each_buffer_is_copied_by_itself(mo
     monkeypatch.setattr(torch, "cat", no_room)
     model = Model()
     _assert_same(model_buffers.save(model), model)
+
+
+class _DraftInner:
+    """A DFlash/DSpark drafter's model: vLLM rebuilds its fused buffers from
+    its weights at the wake after a level-2 sleep."""
+
+    def __init__(self, events: list, weights_mapped) -> None:
+        self._events, self._weights_mapped = events, weights_mapped
+
+    def _build_fused_kv_buffers(self):
+        self._events.append(("rebuild draft buffers", self._weights_mapped()))
+
+
+class _RunnerTouchingWeights(_Runner):
+    """post_kv_cache_wake_up as model runner V1's with an FP8 KV cache: it
+    writes the attention layers' scale buffers, which live in the weights pool."""
+
+    def __init__(self, events: list, weights_mapped) -> None:
+        super().__init__()
+        self._events, self._weights_mapped = events, weights_mapped
+        self._draft = type("Draft", (), {"model": _DraftInner(events, weights_mapped)})()
+
+    def get_draft_model(self):
+        return self._draft
+
+    def post_kv_cache_wake_up(self):
+        self._events.append(("post_kv_cache_wake_up", self._weights_mapped()))
+
+
+@pytest.fixture
+def staged_worker(worker, install_allocator):
+    """The worker on our real backend and allocator (over the fake driver),
+    with a drafter and a model runner whose KV wake-up writes into the weights."""
+    from tests.unit.fake_vmm import FakeVmmDriver
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+    from vllm_graph_sleep.backend import GraphSleepBackend
+
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    install_allocator(manager)
+    with manager.allocation_tag("kv_cache"):
+        driver.malloc(1 << 21)
+    with manager.allocation_tag("weights"):
+        weights = driver.malloc(1 << 21)
+    events: list = []
+    worker.model_runner = _RunnerTouchingWeights(events, lambda: weights in driver.memory)
+    worker._sleep_mode_backend = GraphSleepBackend()
+    return worker, events
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_kv_cache_first_wake_leaves_the_weights_pool_to_the_weights_wake(staged_worker, level):
+    """vLLM 0.26 restores the saved buffers, rebuilds the drafter's buffers and
+    runs post_kv_cache_wake_up at a wake of the KV cache alone, all in the
+    still-unmapped weights; each must run once, at the wake of the weights."""
+    worker, events = staged_worker
+    model = worker.model_runner.model
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    assert worker.sleep(level) is None
+    assert worker.wake_up(["kv_cache"]) is None
+    assert events == []
+    if level == 2:
+        _overwrite(model, 0x5A)  # the weights pool's pages as a level-2 wake maps them
+    assert worker.wake_up(["weights"]) is None
+    rebuilt = [("rebuild draft buffers", True)] if level == 2 else []
+    assert events == rebuilt + [("post_kv_cache_wake_up", True)]
+    for name, buffer in model.named_buffers():
+        assert torch.equal(_bits(buffer), _bits(before[name])), name
+    assert worker._sleep_saved_buffers == {}
+    assert not worker._sleep_rebuild_draft_metadata_buffers
+
+
+@pytest.mark.parametrize(
+    "wakes", [[["weights"], ["kv_cache"]], [["kv_cache"], None], [None]], ids=str
+)
+def test_each_wake_order_runs_the_kv_wake_up_once_with_the_weights_mapped(staged_worker, wakes):
+    worker, events = staged_worker
+    worker.sleep(2)
+    for tags in wakes:
+        assert worker.wake_up(tags) is None
+    assert events == [("rebuild draft buffers", True), ("post_kv_cache_wake_up", True)]

@@ -211,6 +211,30 @@ def test_an_import_hook_that_searches_again_still_gets_a_patched_module():
     assert _report_of(_NESTED_FINDER) == {"nested_search_ran": True, "patched": True}
 
 
+_FOUND_FIRST = """
+import importlib.util, json
+from vllm.plugins import load_general_plugins
+from vllm_graph_sleep.patches._wrap import is_wrapped
+
+load_general_plugins()
+TARGET = "vllm.v1.worker.gpu_worker"
+found = importlib.util.find_spec(TARGET) is not None  # an availability check, no import
+from vllm.v1.worker import gpu_worker
+
+print("REPORT " + json.dumps({
+    "found": found,
+    "patched": is_wrapped(gpu_worker.Worker.init_device),
+}))
+"""
+
+
+@pytest.mark.slow
+def test_a_module_looked_up_before_its_import_still_comes_back_patched():
+    """A bare importlib.util.find_spec finds the module without executing it;
+    the import after it must still apply the patches."""
+    assert _report_of(_FOUND_FIRST) == {"found": True, "patched": True}
+
+
 def test_require_counts_none_as_missing_unless_told_a_global_may_be_unset(monkeypatch):
     from types import SimpleNamespace
 

@@ -24,7 +24,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 #: patch module -> the vLLM module it changes.
@@ -60,17 +60,22 @@ def apply(name: str) -> None:
 
 
 class _ApplyAfterExec(importlib.abc.Loader):
-    """Runs the real loader, then the patches of the module it just executed."""
+    """Runs the real loader, then the patches of the module it just executed,
+    which from then on no longer wait (`applied`)."""
 
-    def __init__(self, loader: importlib.abc.Loader, patches: Sequence[str]):
+    def __init__(
+        self, loader: importlib.abc.Loader, patches: Sequence[str], applied: Callable[[], None]
+    ):
         self._loader = loader
         self._patches = patches
+        self._applied = applied
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
+        self._applied()
         for name in self._patches:
             apply(name)
 
@@ -85,23 +90,28 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
     def __init__(self, waiting: dict[str, list[str]]):
         self.waiting = waiting
+        self._searching = threading.local()
 
     def find_spec(self, fullname, path, target=None):
-        # Taken out before asking the other finders: one of them may search
-        # again (importlib.util.find_spec from a profiler's or a tracer's import
-        # hook), and that nested search must pass through us, not wrap twice.
-        patches = self.waiting.pop(fullname, None)
-        if patches is None:
+        # A module waits until its spec is executed, not merely found: a bare
+        # importlib.util.find_spec (an availability check) followed by the
+        # real import must still patch it. A search nested in ours (a
+        # profiler's or a tracer's import hook searching again) passes through
+        # us, so that the spec is wrapped once.
+        patches = self.waiting.get(fullname)
+        searching = self._searching.__dict__.setdefault("names", set())
+        if patches is None or fullname in searching:
             return None
+        searching.add(fullname)
         try:
             spec = self._find_elsewhere(fullname, path, target)
-        except BaseException:
-            self.waiting[fullname] = patches
-            raise
+        finally:
+            searching.discard(fullname)
         if spec is None or spec.loader is None:
-            self.waiting[fullname] = patches
             return None
-        spec.loader = _ApplyAfterExec(spec.loader, patches)
+        spec.loader = _ApplyAfterExec(
+            spec.loader, list(patches), lambda: self.waiting.pop(fullname, None)
+        )
         return spec
 
     def _find_elsewhere(self, fullname, path, target):

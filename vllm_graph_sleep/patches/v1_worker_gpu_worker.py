@@ -2,7 +2,8 @@
 
 vLLM symbols: Worker.init_device, Worker.compile_or_warm_up_model,
 Worker._maybe_get_memory_pool_context, Worker.sleep,
-Worker._get_sleep_mode_backend, Worker.wake_up,
+Worker._get_sleep_mode_backend, Worker.wake_up (and the model runner's
+post_kv_cache_wake_up it calls),
 Worker.reload_weights, Worker.finish_weight_update, Worker.shutdown, and the
 module global get_mem_allocator_instance that it calls; it calls
 vllm.utils.gc_utils.freeze_gc_heap. Verified against vLLM 0.26.0.
@@ -39,9 +40,13 @@ gate is on in this worker, this patch
   first in our backend's suspend (GraphSleepBackend.first_in_suspend), while
   the KV cache's release runs on a thread, and after vLLM has measured the
   free memory that its log line's "freed" figure starts from;
-- keeps the model buffers a level-2 sleep saved until the wake that brings
-  the weights back (vLLM 0.26 copies them into the still-unmapped weights
-  when "kv_cache" is woken first);
+- runs what vLLM's wake_up does to memory in the weights pool only at the
+  wake that brings the weights back, when "kv_cache" is woken first: the
+  restore of the buffers a level-2 sleep saved, the draft model's fused
+  buffers rebuilt from its weights, and the model runner's
+  post_kv_cache_wake_up (with a quantized KV cache, model runner V1 sets the
+  attention layers' scale buffers there). vLLM 0.26 runs them at that first
+  wake, on the still-unmapped weights;
 - freezes the garbage collector's heap again once a weight reload
   (reload_weights) or a weight transfer (finish_weight_update) is done, as
   vLLM freezes it once warm-up is done: otherwise every later sleep's
@@ -80,7 +85,9 @@ and #59523, released in 0.33).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from vllm_graph_sleep import config, model_buffers, rank_sleep
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
@@ -88,6 +95,7 @@ from vllm_graph_sleep.allocator import (
     GRAPH_TAG,
     KV_CACHE_TAG,
     RUNTIME_TAG,
+    WEIGHTS_TAG,
     GraphSleepAllocator,
     WakeUpError,
 )
@@ -185,6 +193,9 @@ def _wrap_init_device(original):
             # allocator would refuse stops the worker before it sets anything
             # up or marks the process active.
             settings = AllocatorSettings.from_environ()
+            earlier = GraphSleepAllocator.current()
+            if earlier is not None:  # a next engine in this process
+                earlier.settings.require_same(settings)
             config.apply_nccl_policy()
             # Before the original: it builds the all-reduce communicators, whose
             # patches must already see graph offload on.
@@ -242,21 +253,57 @@ def _wrap_sleep(original):
     return sleep
 
 
+#: Set on a worker whose wake of the KV cache left the model runner's
+#: post_kv_cache_wake_up for the wake that brings the weights back.
+_KV_WAKE_UP_DEFERRED = "_graph_sleep_kv_wake_up_deferred"
+
+
+@contextlib.contextmanager
+def _weights_left_alone(worker, deferring_kv_wake_up: bool) -> Iterator[None]:
+    """Inside, vLLM's Worker.wake_up finds nothing to do in the weights pool:
+    no saved buffers to restore, no draft buffers to rebuild and (when
+    `deferring_kv_wake_up`) a model runner whose post_kv_cache_wake_up does
+    nothing. Everything is as it was after."""
+    saved = worker._sleep_saved_buffers
+    rebuild = getattr(worker, "_sleep_rebuild_draft_metadata_buffers", False)
+    runner = worker.model_runner
+    worker._sleep_saved_buffers = {}
+    worker._sleep_rebuild_draft_metadata_buffers = False
+    if deferring_kv_wake_up:
+        runner.post_kv_cache_wake_up = lambda: None  # shadows the method on this runner
+    try:
+        yield
+    finally:
+        worker._sleep_saved_buffers = saved
+        worker._sleep_rebuild_draft_metadata_buffers = rebuild
+        if deferring_kv_wake_up:
+            del runner.post_kv_cache_wake_up
+
+
 def _wrap_wake_up(original):
     def wake(self, tags, *args, **kwargs):
-        # After a level-2 sleep, vLLM restores the model's saved buffers on any
-        # wake; those buffers live in the weights pool, so a wake that leaves
-        # the weights asleep (tags=["kv_cache"] first) copied into unmapped
-        # memory ("CUDA error: invalid argument", found by benchmarks/http_fuzz.py
-        # on an H200). Keep them saved until the wake that brings the weights.
-        saved = getattr(self, "_sleep_saved_buffers", None)
-        if not (saved and tags is not None and "weights" not in tags):
-            return original(self, tags, *args, **kwargs)
-        self._sleep_saved_buffers = {}
-        try:
-            return original(self, tags, *args, **kwargs)
-        finally:
-            self._sleep_saved_buffers = saved
+        # A wake that leaves the weights asleep (tags=["kv_cache"] first): what
+        # vLLM's wake_up writes into the weights pool would go to unmapped
+        # memory ("CUDA error: invalid argument" for the buffers' restore, found
+        # by benchmarks/http_fuzz.py on an H200; an illegal address, which ends
+        # the CUDA context, for a kernel). It runs at the wake of the weights.
+        if (
+            tags is not None
+            and WEIGHTS_TAG not in tags
+            and self._get_sleep_mode_backend().is_asleep(WEIGHTS_TAG)
+        ):
+            deferring = KV_CACHE_TAG in tags
+            with _weights_left_alone(self, deferring):
+                result = original(self, tags, *args, **kwargs)
+            if deferring:
+                setattr(self, _KV_WAKE_UP_DEFERRED, True)
+            return result
+        result = original(self, tags, *args, **kwargs)
+        if getattr(self, _KV_WAKE_UP_DEFERRED, False):
+            setattr(self, _KV_WAKE_UP_DEFERRED, False)
+            if tags is not None and KV_CACHE_TAG not in tags:  # vLLM's did not run it
+                self.model_runner.post_kv_cache_wake_up()
+        return result
 
     def wake_up(self, tags=None, *args, **kwargs):
         if not config.is_active():
