@@ -221,7 +221,7 @@ class GraphSleepAllocator:
             fill=fill,
         )
         self._last_backup = BackupCount()
-        self._kv_cache_release = KvCacheRelease(driver, self._backups)
+        self._kv_cache_release = KvCacheRelease(driver, self._backups, self.table.frees_held)
         # The extension keeps its own references to these bound methods.
         driver.register_callbacks(self.table.on_malloc, self.table.on_free)
 
@@ -383,10 +383,7 @@ class GraphSleepAllocator:
         # This engine sleeps no more: the buffers kept for its next sleep go
         # now, not when their allocations are freed, which can be after the
         # last release point. Backups of what is asleep stay for a wake.
-        for allocation in self.table.all():
-            if allocation.mapped:
-                allocation.drop_host()
-        self._driver.release_dropped_host_buffers()
+        self._backups.give_back_host_buffers(self.table.all())
         if len(self.table):
             logger.info(
                 "graph-sleep: %s still allocated after shutdown (%s)",
@@ -419,6 +416,7 @@ class GraphSleepAllocator:
         if offload_tags is None:
             offload_tags = (DEFAULT_TAG,)
         offload = self._router.normalize(offload_tags, "sleep")
+        self._kv_cache_release.check_sleep(offload, kv_cache_cleared)
         clock = PhaseClock()
         # Before new backups: those of allocations freed since the last call.
         self._driver.release_dropped_host_buffers()
@@ -438,12 +436,14 @@ class GraphSleepAllocator:
                 self._router.graph_pool_segments(), self._workspaces.blocks()
             )
             self._last_backup = self._backups.back_up(to_back_up, live, clock, early.start)
-        except Exception as error:
+        except BaseException as error:  # a KeyboardInterrupt too: the KV cache comes back
+            undone = early.undo(self._backups)
+            if not isinstance(error, Exception):
+                raise
             raise SleepError(
                 f"sleep failed while backing up {len(to_back_up)} allocations "
                 f"({format_bytes(sum(a.size for a in to_back_up))}) to host memory: {error}. "
-                f"Nothing was released{early.undo(self._backups)}; the engine is awake, "
-                f"but {RESUME_HINT}."
+                f"Nothing was released{undone}; the engine is awake, but {RESUME_HINT}."
             ) from error
 
         early.wait_if_ahead(clock)
@@ -495,6 +495,11 @@ class GraphSleepAllocator:
         else:
             settled = self._settler.stop()
         clock.lap("settle thread stopped")  # it finishes a probe under way first
+        # torch's cached but unused blocks go to the driver first: they may be
+        # what we need to map, and one of ours that torch frees here (a tensor
+        # that died asleep) must not be among the targets.
+        self._driver.release_cached_memory()
+        clock.lap("torch's cache")
         targets = self.table.to_wake(requested)
         lowered = self._stack.lowered_devices()
         try:
@@ -507,16 +512,11 @@ class GraphSleepAllocator:
                 "Nothing was mapped; the engine is still asleep and the wake can be retried."
             ) from error
         if not targets:
+            if self.release_host_memory:  # those of a sleep that failed, as a wake's go
+                self._backups.give_back_host_buffers(self.table.live())
             logger.info("graph-sleep wake_up(tags=%s): nothing asleep to wake", tags)
             return
         clock.lap("stack limit")
-
-        # Return cached but unused blocks of torch's own pools to the driver
-        # first: they may be exactly what we need to map.
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-        clock.lap("torch's cache")
-
         mapped: list[Allocation] = []
         try:
             restored, fresh = self._backups.map_and_restore(targets, mapped, clock)

@@ -419,7 +419,7 @@ def test_sleep_and_wake_each_log_one_info_line_with_bytes_per_tag(setup, caplog)
         lines[0],
     ), lines[0]
     assert re.search(
-        rf"\d\.\d{{3}} s \(settle thread stopped {ms}, stack limit {ms}, torch's cache {ms}, "
+        rf"\d\.\d{{3}} s \(settle thread stopped {ms}, torch's cache {ms}, stack limit {ms}, "
         rf"mapping \(2 allocations\) with copies queued {ms}, copies {ms}, host buffers given back "
         rf"{ms}\)$",
         lines[1],

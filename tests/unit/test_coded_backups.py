@@ -507,3 +507,30 @@ def test_a_piece_coded_again_that_does_not_decode_is_kept_raw(monkeypatch, caplo
     assert any("did not decode to its original" in r.getMessage() for r in caplog.records)
     manager.wake_up()
     assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_target_torch_frees_between_the_wakes_phases_is_left_alone(monkeypatch):
+    """A coded wake gives the decoder's staging back to the driver before it
+    maps what has no backup; a tensor that died asleep is freed there, and the
+    second phase must not map its record (the extension released it)."""
+    driver, manager, weights = coded_weights(seed=4)
+    expected = driver.memory[weights].clone()
+    with manager.use_memory_pool("kv_cache"):
+        kv = driver.malloc(SIZE)
+        doomed = driver.malloc(SIZE)
+    manager.sleep(offload_tags=("weights",))
+    release = driver.release_cached_memory
+    releases = []
+
+    def release_between_the_phases():
+        releases.append(len(releases))
+        if len(releases) == 2:  # the wake's first is before it maps anything
+            driver.tensor_dies(doomed)
+        release()
+
+    monkeypatch.setattr(driver, "release_cached_memory", release_between_the_phases)
+    manager.wake_up()
+    assert len(releases) == 2 and manager.allocations[weights].coded is not None
+    assert doomed not in manager.allocations and doomed not in driver.memory
+    assert kv in driver.memory and torch.equal(driver.memory[weights], expected)
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 2 * SIZE

@@ -48,9 +48,10 @@ def first_engine_shut_down_asleep(offload_tags):
 
 
 def test_shutdown_asleep_restores_the_stack_and_stops_the_settle_thread():
+    others = set(settle_threads())  # of allocators that earlier tests left asleep
     driver, manager, _ = first_engine_shut_down_asleep(("weights",))
     assert driver.stack_limits == {0: DEFAULT_STACK}
-    assert settle_threads() == []
+    assert set(settle_threads()) <= others
     orphan_leftovers(manager)  # the next engine's init_device
     weights = allocate(driver, manager, "weights", WEIGHTS)
     manager.sleep(offload_tags=("weights",))

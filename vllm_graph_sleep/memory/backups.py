@@ -551,12 +551,15 @@ class Backups:
         return note
 
     def roll_back(self, mapped: list[Allocation]) -> None:
-        """Unmaps what a failed wake mapped; their backups stay."""
+        """Unmaps what a failed wake mapped; their backups stay. One torch
+        freed meanwhile is gone already (the extension unmapped it)."""
         # Copies restore queued may still be running into this memory (and, with
         # registered host buffers, out of host memory that nothing else keeps
         # from being unmapped); a device too broken to wait for is unmapped anyway.
         self.wait_for_devices(mapped, "rollback")
         for allocation in reversed(mapped):
+            if allocation.freed or not allocation.mapped:
+                continue
             try:
                 self._driver.unmap_and_release(*allocation.vmm_args())
                 allocation.unmapped()
@@ -567,6 +570,16 @@ class Backups:
                     format_bytes(allocation.size),
                 )
                 allocation.has_backup = False
+
+    def give_back_host_buffers(self, allocations: Iterable[Allocation]) -> None:
+        """Lets go of the host buffers among `allocations` that hold no backup
+        a wake needs (mapped, or asleep without a backup), and has the driver
+        give them back: at shutdown, and where host memory is released after
+        each wake."""
+        for allocation in allocations:
+            if allocation.mapped or not allocation.has_backup:
+                allocation.drop_host()
+        self._driver.release_dropped_host_buffers()
 
     def wait_for_devices(self, allocations: list[Allocation], who: str) -> None:
         """Waits for what is queued on the devices of `allocations`; a device

@@ -44,11 +44,14 @@ class WakeMapper:
         """Maps `allocations` in order, yielding each once it is mapped and
         appended to `mapped` (what a failed wake rolls back), so that the
         copies of one run while the next one maps. A run is mapped whole where
-        its first member comes; one the driver refuses, one at a time."""
+        its first member comes; one the driver refuses, one at a time. One
+        torch freed since the wake chose it (a cache release between a coded
+        wake's phases) is passed over: the extension released it."""
+        allocations = [allocation for allocation in allocations if not allocation.freed]
         run_of = {allocation.address: run for run in self._runs(allocations) for allocation in run}
         with_run: set[int] = set()
         for allocation in allocations:
-            if allocation.address in with_run:
+            if allocation.address in with_run or allocation.freed:
                 continue
             run = run_of.get(allocation.address)
             if run is not None:

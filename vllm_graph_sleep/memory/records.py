@@ -3,7 +3,10 @@ extension's callbacks, and the queries over it. The tags live here too."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,6 +71,9 @@ class Allocation:
     fingerprints: torch.Tensor | None = None
     # The run whose mapping backs this one, while the run is alive.
     run: SharedRun | None = None
+    # torch freed it (AllocationTable.on_free): the extension released it, and
+    # a wake or a release that still holds the record must leave it alone.
+    freed: bool = False
 
     def unmapped(self) -> None:
         """Records that the driver unmapped this allocation (or, for a member
@@ -122,6 +128,9 @@ class AllocationTable:
         self._driver = driver
         self._tag_now = tag_now
         self._by_address: dict[int, Allocation] = {}
+        # Held by on_free, and by a thread of ours that releases records while
+        # torch may free them on another (`frees_held`).
+        self._freeing = threading.Lock()
 
     # -- callbacks from the extension ------------------------------------
 
@@ -129,15 +138,26 @@ class AllocationTable:
         self._by_address[address] = Allocation(device, size, address, handle, self._tag_now())
 
     def on_free(self, address: int) -> tuple[int, int, bool]:
-        allocation = self._by_address.pop(address)
-        mapped = allocation.mapped
-        if mapped:
-            # The caching allocator may hand a block back while kernels queued
-            # on other streams still use it; unmapping then would fault them.
-            self._driver.synchronize(allocation.device)
-            allocation.unmapped()  # the extension unmaps it once this returns
-        allocation.drop_host()
+        with self._freeing:
+            allocation = self._by_address.pop(address)
+            allocation.freed = True
+            allocation.has_backup = False
+            mapped = allocation.mapped
+            if mapped:
+                # The caching allocator may hand a block back while kernels queued
+                # on other streams still use it; unmapping then would fault them.
+                self._driver.synchronize(allocation.device)
+                allocation.unmapped()  # the extension unmaps it once this returns
+            allocation.drop_host()
         return allocation.size, allocation.handle, mapped
+
+    @contextlib.contextmanager
+    def frees_held(self) -> Iterator[None]:
+        """Inside, torch's frees of our allocations wait (on_free): for a thread
+        of ours that checks a record (`freed`) and releases it as one step,
+        while the sleep's own thread may make torch free it."""
+        with self._freeing:
+            yield
 
     # -- queries -----------------------------------------------------------
 

@@ -14,8 +14,9 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
 from vllm_graph_sleep.memory.report import PhaseClock, describe
@@ -91,9 +92,17 @@ def backed_up_bytes(released: list[Allocation]) -> dict[str, int]:
     return kept
 
 
-def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocation]) -> Dropped:
+def drop(
+    driver: DeviceDriver,
+    released: list[Allocation],
+    to_drop: list[Allocation],
+    frees_held: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> Dropped:
     """Unmaps `to_drop`, losing their contents; one the driver will not
     release stays mapped with its contents (and is logged by the caller).
+    `frees_held`: what keeps torch from freeing an allocation between the
+    check that it is still ours and its release (a thread other than the
+    sleep's; AllocationTable.frees_held); one torch freed is left alone.
 
     A dropped allocation keeps its host buffer, and with it the backup an
     earlier sleep left there and that backup's fingerprints (issue 38): a
@@ -109,14 +118,17 @@ def drop(driver: DeviceDriver, released: list[Allocation], to_drop: list[Allocat
         if allocation.backup_bytes() < allocation.size:
             add(result.dropped, allocation.tag, allocation.size - allocation.backup_bytes())
     for allocation in to_drop:
-        try:
-            driver.unmap_and_release(*allocation.vmm_args())
-        except Exception as error:
-            add(result.still_mapped, allocation.tag, allocation.size)
-            result.failures.append(f"{allocation.address:#x}: {error}")
-            continue
-        allocation.unmapped()
-        allocation.has_backup = False
+        with frees_held():
+            if allocation.freed:  # the extension released it
+                continue
+            try:
+                driver.unmap_and_release(*allocation.vmm_args())
+            except Exception as error:
+                add(result.still_mapped, allocation.tag, allocation.size)
+                result.failures.append(f"{allocation.address:#x}: {error}")
+                continue
+            allocation.unmapped()
+            allocation.has_backup = False
         add(result.dropped, allocation.tag, allocation.size)
     return result
 
@@ -143,9 +155,15 @@ class EarlyDrop:
     `undo` maps the cache back, filled like after a wake."""
 
     def __init__(
-        self, driver: DeviceDriver, allocations: list[Allocation], *, ahead: bool = False
+        self,
+        driver: DeviceDriver,
+        allocations: list[Allocation],
+        frees_held: Callable[[], AbstractContextManager[Any]],
+        *,
+        ahead: bool = False,
     ) -> None:
         self._driver = driver
+        self._frees_held = frees_held
         self.allocations = allocations
         self.ahead = ahead
         self.dropped = Dropped()
@@ -154,10 +172,16 @@ class EarlyDrop:
         self._seconds = 0.0
 
     @classmethod
-    def start_ahead(cls, driver: DeviceDriver, live: list[Allocation]) -> EarlyDrop:
+    def start_ahead(
+        cls,
+        driver: DeviceDriver,
+        live: list[Allocation],
+        frees_held: Callable[[], AbstractContextManager[Any]],
+    ) -> EarlyDrop:
         """Starts releasing the mapped KV cache among `live` now, for a
         sleep that follows on this thread to take over (KvCacheRelease)."""
-        early = cls(driver, [a for a in live if a.tag == KV_CACHE_TAG and a.mapped], ahead=True)
+        kv_cache = [a for a in live if a.tag == KV_CACHE_TAG and a.mapped]
+        early = cls(driver, kv_cache, frees_held, ahead=True)
         early._launch()
         return early
 
@@ -168,6 +192,7 @@ class EarlyDrop:
         to_back_up: list[Allocation],
         to_drop: list[Allocation],
         kv_cache_cleared: bool,
+        frees_held: Callable[[], AbstractContextManager[Any]],
     ) -> tuple[EarlyDrop, list[Allocation]]:
         """The KV cache's early drop for a sleep that backs up `to_back_up`
         and drops `to_drop`, and what the sleep's thread drops itself. Only a
@@ -177,9 +202,9 @@ class EarlyDrop:
         each of three against each of three in one run: lease 20 in
         docs/results/archive/sleep-speed-h100-2026-12-07.md)."""
         if not (kv_cache_cleared and any(a.tag == WEIGHTS_TAG for a in to_back_up)):
-            return cls(driver, []), to_drop
+            return cls(driver, [], frees_held), to_drop
         early = [allocation for allocation in to_drop if allocation.tag == KV_CACHE_TAG]
-        return cls(driver, early), [a for a in to_drop if a.tag != KV_CACHE_TAG]
+        return cls(driver, early, frees_held), [a for a in to_drop if a.tag != KV_CACHE_TAG]
 
     def start(self) -> None:
         """Starts the thread; one started ahead is running already."""
@@ -196,7 +221,7 @@ class EarlyDrop:
     def _run(self) -> None:
         start = time.perf_counter()
         try:
-            self.dropped = drop(self._driver, [], self.allocations)
+            self.dropped = drop(self._driver, [], self.allocations, self._frees_held)
         except BaseException as error:  # raised again on the sleep's thread
             self._error = error
         self._seconds = time.perf_counter() - start
@@ -249,9 +274,15 @@ class KvCacheRelease:
     EarlyDrop, started by the sleep (`split`) or ahead of it (`ahead`). Owns
     the one started ahead until a sleep takes it over."""
 
-    def __init__(self, driver: DeviceDriver, backups: Backups) -> None:
+    def __init__(
+        self,
+        driver: DeviceDriver,
+        backups: Backups,
+        frees_held: Callable[[], AbstractContextManager[Any]],
+    ) -> None:
         self._driver = driver
         self._backups = backups
+        self._frees_held = frees_held
         self._ahead: EarlyDrop | None = None
 
     @contextlib.contextmanager
@@ -262,7 +293,7 @@ class KvCacheRelease:
         sleep did."""
         if self._ahead is not None:
             raise RuntimeError("the KV cache's release was already started ahead of a sleep")
-        self._ahead = EarlyDrop.start_ahead(self._driver, live)
+        self._ahead = EarlyDrop.start_ahead(self._driver, live, self._frees_held)
         try:
             yield
         finally:
@@ -271,6 +302,18 @@ class KvCacheRelease:
                 note = ahead.undo(self._backups)
                 logger.warning("graph-sleep: no sleep took the KV cache's release over%s", note)
 
+    def check_sleep(self, offload: tuple[str, ...], kv_cache_cleared: bool) -> None:
+        """ValueError, before the sleep does anything, where a release started
+        ahead is under way and the sleep would back the KV cache up or keep
+        its contents (the block then undoes the release)."""
+        if self._ahead is not None and (KV_CACHE_TAG in offload or not kv_cache_cleared):
+            raise ValueError(
+                f"the {KV_CACHE_TAG}'s release was started ahead of this sleep, which would "
+                f"{'back it up' if kv_cache_cleared else 'keep its contents'}: a sleep inside "
+                f"kv_cache_released_ahead() must drop the {KV_CACHE_TAG}, with "
+                "kv_cache_cleared=True"
+            )
+
     def split(
         self, to_back_up: list[Allocation], to_drop: list[Allocation], kv_cache_cleared: bool
     ) -> tuple[EarlyDrop, list[Allocation]]:
@@ -278,7 +321,9 @@ class KvCacheRelease:
         started ahead, if any, taken over (EarlyDrop.split otherwise)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
-            return EarlyDrop.split(self._driver, to_back_up, to_drop, kv_cache_cleared)
+            return EarlyDrop.split(
+                self._driver, to_back_up, to_drop, kv_cache_cleared, self._frees_held
+            )
         taken = {id(allocation) for allocation in ahead.allocations}
         return ahead, [allocation for allocation in to_drop if id(allocation) not in taken]
 

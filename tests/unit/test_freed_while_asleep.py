@@ -1,0 +1,169 @@
+"""Allocations that torch frees while a sleep or a wake still holds their
+records (a tensor that died while asleep, its segment cached until an
+empty_cache), and the host buffers and KV cache of sleeps that stop early
+(CPU: the faked VMM layer, whose release_cached_memory frees what torch would)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from tests.unit.fake_vmm import PAGE, FakeVmmDriver
+from vllm_graph_sleep.allocator import GraphSleepAllocator, SleepError
+
+KV_THREAD = "graph-sleep-kv-release"
+
+
+def _weights_with_one_to_die(driver, manager):
+    """Two weights in a pool that is closed (its free segments go at the next
+    empty_cache), as after load_model; the second is the one to die."""
+    with manager.use_memory_pool("weights"):
+        kept = driver.malloc(PAGE)
+        doomed = driver.malloc(PAGE)
+    driver.write(kept, 1)
+    return kept, doomed
+
+
+@pytest.mark.parametrize("offload", [("weights",), ()], ids=["backed_up", "dropped"])
+def test_a_weight_that_died_asleep_is_freed_before_the_wake_maps_anything(offload):
+    """The wake empties torch's cache first, which frees it: it must not be
+    among what the wake maps (its record is gone, the extension released it)."""
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    kept, doomed = _weights_with_one_to_die(driver, manager)
+    manager.sleep(offload_tags=offload)
+    driver.tensor_dies(doomed)
+    manager.wake_up()
+    assert doomed not in manager.allocations and doomed not in driver.memory
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == PAGE
+    if offload:
+        assert bool((driver.read(kept) == 1).all())
+
+
+class _KvThreadAfterTheCacheRelease(FakeVmmDriver):
+    """The KV cache's thread started ahead gets to release only once the
+    sleep's own thread has emptied torch's cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache_emptied = threading.Event()
+
+    def unmap_and_release(self, device, size, address, handle):
+        if threading.current_thread().name == KV_THREAD:
+            self.cache_emptied.wait(timeout=10)
+        super().unmap_and_release(device, size, address, handle)
+
+    def release_cached_memory(self) -> None:
+        super().release_cached_memory()
+        self.cache_emptied.set()
+
+
+def test_a_kv_segment_torch_frees_during_a_release_started_ahead_is_released_once(caplog):
+    driver = _KvThreadAfterTheCacheRelease()
+    manager = GraphSleepAllocator(driver)
+    with manager.use_memory_pool("kv_cache"):
+        kv = driver.malloc(4 * PAGE)
+        dead = driver.malloc(PAGE)
+    driver.tensor_dies(dead)  # cached in the closed pool until the sleep's empty_cache
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        with manager.kv_cache_released_ahead():
+            manager.sleep(offload_tags=("cudagraph",), kv_cache_cleared=True)
+    assert "could not release" not in caplog.text
+    assert driver.unmap_calls.count(dead) == 1 and driver.unmap_calls.count(kv) == 1
+    assert dead not in manager.allocations
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 0
+    manager.wake_up()
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 4 * PAGE
+
+
+@pytest.mark.parametrize(
+    ("offload", "cleared", "what"),
+    [(("kv_cache",), True, "back it up"), (("cudagraph",), False, "keep its contents")],
+)
+def test_a_sleep_that_would_keep_the_kv_cache_cannot_take_a_release_started_ahead(
+    offload, cleared, what
+):
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    with manager.use_memory_pool("kv_cache"):
+        kv = driver.malloc(PAGE)
+    with pytest.raises(ValueError, match=f"started ahead of this sleep, which would {what}"):
+        with manager.kv_cache_released_ahead():
+            manager.sleep(offload_tags=offload, kv_cache_cleared=cleared)
+    # The block undid the release started ahead: the engine is awake.
+    assert kv in driver.memory and manager.all_mapped_bytes() == PAGE
+
+
+def test_an_interrupt_while_backing_up_brings_the_kv_cache_back():
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    with manager.use_memory_pool("weights"):
+        weights = driver.malloc(PAGE)
+    driver.write(weights, 4)
+    with manager.use_memory_pool("kv_cache"):
+        kv = driver.malloc(4 * PAGE)
+    synchronize, unmap = driver.synchronize, driver.unmap_and_release
+    kv_released = threading.Event()
+
+    def unmapping(*args):
+        unmap(*args)
+        if threading.current_thread().name == KV_THREAD:
+            kv_released.set()
+
+    def interrupted(device):  # Ctrl-C once the KV cache went, before the weights' release
+        if threading.current_thread().name == "MainThread" and kv_released.wait(timeout=1):
+            raise KeyboardInterrupt
+        synchronize(device)
+
+    driver.unmap_and_release, driver.synchronize = unmapping, interrupted
+    with pytest.raises(KeyboardInterrupt):
+        manager.sleep(offload_tags=("weights",), kv_cache_cleared=True)
+    driver.unmap_and_release, driver.synchronize = unmap, synchronize
+    assert kv_released.is_set()
+    assert kv in driver.memory and weights in driver.memory
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 5 * PAGE
+    assert bool((driver.read(weights) == 4).all())
+
+
+def test_a_shutdown_asleep_after_a_level_2_sleep_gives_the_kept_host_buffers_back():
+    """The buffers a level-2 sleep kept (for the next sleep to compare) hold
+    no backup a wake needs: the engine sleeps no more."""
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    with manager.allocation_tag("weights"):
+        weights = [driver.malloc(4 * PAGE) for _ in range(2)]
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    manager.sleep(offload_tags=())
+    assert manager.host_bytes() == 8 * PAGE  # kept for the next sleep's comparison
+    manager.release_pools()
+    assert manager.host_bytes() == 0
+    assert all(address in manager.allocations for address in weights)
+
+
+def test_a_shutdown_asleep_after_a_level_1_sleep_keeps_the_backups_for_a_wake():
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    with manager.allocation_tag("weights"):
+        weights = driver.malloc(4 * PAGE)
+    driver.write(weights, 6)
+    manager.sleep(offload_tags=("weights",))
+    manager.release_pools()
+    assert manager.host_bytes() == 4 * PAGE
+    manager.wake_up()
+    assert bool((driver.read(weights) == 6).all())
+
+
+def test_with_host_memory_released_a_failed_sleeps_buffers_go_at_the_next_wake():
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver, release_host_memory=True)
+    with manager.allocation_tag("weights"):
+        weights = [driver.malloc(8 * PAGE) for _ in range(3)]
+    driver.fail("unmap_and_release", after=1)  # the second release fails
+    with pytest.raises(SleepError, match="mapped back from their host copies"):
+        manager.sleep(offload_tags=("weights",))
+    assert all(address in driver.memory for address in weights)
+    manager.wake_up()  # vLLM's resume after the failed sleep: nothing is asleep
+    assert manager.host_bytes() == 0
