@@ -186,6 +186,26 @@ def test_a_next_engine_whose_switches_changed_is_refused_before_it_sets_anything
     assert config.is_active()
 
 
+def test_a_worker_whose_init_device_fails_leaves_the_process_inactive(monkeypatch):
+    """vLLM's own init_device failing (no memory, a bad device): the process
+    must not stay marked active for a next engine, nor its shutdown make an
+    allocator only to release pools."""
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)  # set back after the test
+    monkeypatch.setattr(config, "_active_in_this_process", False)
+    monkeypatch.setattr(
+        config, "evaluate_gate", lambda vc, platform=None: config.Gate(vc.on, vc.on)
+    )
+
+    def failing_init_device(worker):
+        assert config.is_active()  # the communicators' patches saw it on
+        raise RuntimeError("CUDA error: out of memory")
+
+    init_device = v1_worker_gpu_worker._wrap_init_device(failing_init_device)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        init_device(FakeWorker(engine_config(on=True)))
+    assert not config.is_active()
+
+
 def test_worker_touches_nothing_when_the_gate_is_off(worker_patch):
     init_device, routed = worker_patch
     worker = FakeWorker(engine_config(on=False))

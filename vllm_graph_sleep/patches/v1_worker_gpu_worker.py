@@ -200,7 +200,12 @@ def _wrap_init_device(original):
             # Before the original: it builds the all-reduce communicators, whose
             # patches must already see graph offload on.
             config.mark_active()
-        result = original(self, *args, **kwargs)
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            if gate.active:  # no engine of ours started: a next one decides afresh
+                config.mark_inactive()
+            raise
         if gate.active:
             orphan_leftovers(GraphSleepAllocator.get_instance(settings))
             # vLLM hashes this field into its compile-cache keys; the hash
