@@ -12,8 +12,11 @@ by the node), and then
   reading the later ranks' replies, so every later call reads the reply meant
   for the call before it.
 
-So a worker answers a sleep it could not complete with a `RankFailure`
-reply instead of raising (`sleep_rank`): every rank's reply is read.
+So the executor's sleep sends every worker `sleep_answering`, which answers
+a sleep the worker could not complete with a `RankFailure` reply instead of
+raising: every rank's reply is read. The worker's own `sleep` and `wake_up`
+raise as stock's do, for every other caller (`LLM.collective_rpc("sleep")`,
+`POST /collective_rpc`, a worker extension).
 `sleep_every_rank` then wakes every rank back up (`wake_back`, which answers
 the same way) and raises `SleepError`: the engine is awake on every rank. If a
 rank cannot be woken back up, the engine is recorded asleep, so that the next
@@ -21,8 +24,8 @@ wake reaches every rank. Either way vLLM keeps scheduling paused (it paused
 before the sleep) until `POST /wake_up` or `LLM.wake_up()`.
 
 A wake that fails on one rank (no room to map its memory back) raised there,
-so the executor read no later rank's reply either. A worker answers it with a
-`RankFailure` too (`wake_rank`); `wake_every_rank` reads every reply and
+so the executor read no later rank's reply either. The executor's wake sends
+`wake_answering`, answered with a `RankFailure` too; `wake_every_rank` reads every reply and
 raises `WakeUpError` naming the ranks: the executor keeps the engine recorded
 asleep with the tags it had, so that a retried wake reaches every rank again
 (a rank that woke has nothing left asleep, and its wake does nothing).
@@ -35,6 +38,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from vllm_graph_sleep import config
 from vllm_graph_sleep.allocator import RESUME_HINT, SleepError, WakeUpError
 
 logger = logging.getLogger("vllm.graph_sleep")
@@ -60,14 +64,26 @@ def _answered(call: Callable[[], Any], failed: str) -> Any:
         return RankFailure(_describe(error))
 
 
-def sleep_rank(sleep: Callable[[], Any]) -> RankFailure | None:
-    """Runs this rank's sleep; a failure is answered, not raised."""
-    return _answered(sleep, "this rank could not sleep; every rank is woken back up")
+def sleep_answering(worker: Any, level: int) -> RankFailure | None:
+    """Run on every rank (collective_rpc) by the executor's sleep: the
+    worker's sleep, whose failure is answered, not raised, where graph offload
+    is active in this worker (stock's contract otherwise: it raises)."""
+    if not config.is_active():
+        return worker.sleep(level=level)
+    return _answered(
+        lambda: worker.sleep(level=level),
+        "this rank could not sleep; every rank is woken back up",
+    )
 
 
-def wake_rank(wake: Callable[[], Any]) -> Any:
-    """Runs this rank's wake; a failure is answered, not raised."""
-    return _answered(wake, "this rank could not wake; the engine stays asleep")
+def wake_answering(worker: Any, tags: list[str] | None) -> Any:
+    """Run on every rank by the executor's wake: the worker's wake, answered
+    as `sleep_answering` answers."""
+    if not config.is_active():
+        return worker.wake_up(tags)
+    return _answered(
+        lambda: worker.wake_up(tags), "this rank could not wake; the engine stays asleep"
+    )
 
 
 def wake_back(worker: Any) -> str | None:
@@ -75,12 +91,10 @@ def wake_back(worker: Any) -> str | None:
     rank's memory, a no-op where nothing sleeps, and answers what failed
     instead of raising."""
     try:
-        reply = worker.wake_up(None)
+        worker.wake_up(None)
     except Exception as error:
-        reply = RankFailure(_describe(error))
-    if isinstance(reply, RankFailure):
-        logger.error("graph-sleep: this rank could not be woken back up after a failed sleep")
-        return reply.error
+        logger.exception("graph-sleep: this rank could not be woken back up after a failed sleep")
+        return _describe(error)
     return None
 
 
@@ -101,10 +115,10 @@ def _ranks(failures: dict[int, str]) -> str:
 def sleep_every_rank(
     collective_rpc: Callable[..., list[Any]], level: int, record_asleep: Callable[[], None]
 ) -> None:
-    """Sends "sleep" to every rank and reads every reply. All slept: records
+    """Has every rank sleep (sleep_answering) and reads every reply. All slept: records
     the engine asleep. Otherwise every rank is woken back up and SleepError is
     raised; a rank that cannot be woken back leaves the engine recorded asleep."""
-    replies = collective_rpc("sleep", kwargs={"level": level})
+    replies = collective_rpc(sleep_answering, kwargs={"level": level})
     failed = _rank_failures(replies)
     if not failed:
         record_asleep()
@@ -132,9 +146,9 @@ def sleep_every_rank(
 
 
 def wake_every_rank(collective_rpc: Callable[..., list[Any]], tags: list[str] | None) -> None:
-    """Sends "wake_up" to every rank and reads every reply; raises WakeUpError
+    """Has every rank wake (wake_answering) and reads every reply; raises WakeUpError
     naming the ranks that could not wake (the caller then records nothing)."""
-    replies = collective_rpc("wake_up", kwargs={"tags": tags})
+    replies = collective_rpc(wake_answering, kwargs={"tags": tags})
     failed = _rank_failures(replies)
     if failed:
         raise WakeUpError(

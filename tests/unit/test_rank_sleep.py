@@ -302,3 +302,21 @@ def test_a_staged_wake_failing_on_a_rank_keeps_the_tags_asleep(engine):
     assert engine.executor.sleeping_tags == {"kv_cache"} and engine.core.is_sleeping()
     engine.core.wake_up(["kv_cache"])
     assert not engine.core.is_sleeping() and engine.awake(0) and engine.awake(1)
+
+
+@pytest.mark.parametrize("method", ["sleep", "wake_up"])
+def test_a_workers_own_sleep_or_wake_raises_for_other_callers_as_stock(engine, method):
+    """Only the executor's sleep and wake read a failure as an answer; the
+    worker methods themselves raise, so that LLM.collective_rpc("sleep") or
+    POST /collective_rpc see the failure as they do with stock vLLM."""
+    if method == "wake_up":
+        engine.core.sleep(level=1)
+        engine.drivers[1].fail("create_and_map")
+        kwargs = {"tags": None}
+    else:
+        engine.drivers[1].fail("host_buffer")
+        kwargs = {"level": 1}
+    with pytest.raises(RuntimeError, match="Worker failed"):
+        engine.core.collective_rpc(method, kwargs=kwargs)
+    # The last rank failed, so vLLM read every reply: the next call is in step.
+    assert engine.executor.collective_rpc(_rank_of) == [0, 1]

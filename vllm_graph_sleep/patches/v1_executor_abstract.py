@@ -9,16 +9,18 @@ them. No executor subclass overrides either. Verified against vLLM 0.26.0.
 Why: with more than one rank, a sleep that fails on one rank after others slept
 leaves the engine half asleep and recorded awake, and MultiprocExecutor reads
 no reply after the first failed one, so later calls get out-of-step replies
-(issue 34; vllm_graph_sleep.rank_sleep). Our workers answer a failed sleep
-instead of raising (v1_worker_gpu_worker); this wrapper reads every rank's
+(issue 34; vllm_graph_sleep.rank_sleep). This wrapper has every worker
+sleep through rank_sleep.sleep_answering, which answers a failed sleep
+instead of raising where graph offload is active, and reads every rank's
 answer (rank_sleep.sleep_every_rank): all slept, it records the sleep as vLLM
 does; otherwise every rank is woken back up and SleepError raised, with the
 engine recorded asleep only if a rank could not be woken back up. A repeated
 sleep gets vLLM's own answer ("Executor is already sleeping"). A wake that
-fails on a rank (its worker answers, rank_sleep.wake_rank) is read on every
-rank and raised as WakeUpError with the engine still recorded asleep with its
-tags (rank_sleep.wake_every_rank); a wake with nothing to wake, or with a tag
-that is not asleep, gets vLLM's own answer.
+fails on a rank (rank_sleep.wake_answering) is read on every rank and raised
+as WakeUpError with the engine still recorded asleep with its tags
+(rank_sleep.wake_every_rank); a wake with nothing to wake, or with a tag that
+is not asleep, gets vLLM's own answer. The workers' own sleep and wake_up
+raise as stock's, for every other caller (LLM.collective_rpc("sleep")).
 
 Remove when: vLLM's executor reads every rank's reply and keeps the ranks of a
 failed sleep in one state (not so in 0.33).

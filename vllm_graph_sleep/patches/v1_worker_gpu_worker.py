@@ -27,11 +27,6 @@ gate is on in this worker, this patch
   survive sleep (FULL graphs read them). The KV tensors get their own
   "kv_cache" pool (v1_worker_gpu_attn_utils, v1_worker_gpu_model_runner).
   Upstream did the same in PR #59158.
-- answers a sleep that fails on this rank with a failure reply instead of
-  raising (rank_sleep.sleep_rank), so that the executor reads every rank's
-  reply and wakes the ranks that slept back up (v1_executor_abstract); a
-  wake that fails the same way (rank_sleep.wake_rank), so that the executor
-  reads every reply and keeps the engine recorded asleep;
 - saves the model's buffers before a level-2 sleep in one pinned staging
   buffer, gathered on their device and copied in a few chunks with one wait
   (vllm_graph_sleep.model_buffers), where vLLM's own save makes a
@@ -89,7 +84,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-from vllm_graph_sleep import config, model_buffers, rank_sleep
+from vllm_graph_sleep import config, model_buffers
 from vllm_graph_sleep.alloc_conf import expandable_segments_off
 from vllm_graph_sleep.allocator import (
     GRAPH_TAG,
@@ -253,7 +248,7 @@ def _wrap_sleep(original):
     def sleep(self, *args, **kwargs):
         if not config.is_active():
             return original(self, *args, **kwargs)
-        return rank_sleep.sleep_rank(lambda: sleep_saving_buffers_at_once(self, args, kwargs))
+        return sleep_saving_buffers_at_once(self, args, kwargs)
 
     return sleep
 
@@ -313,8 +308,7 @@ def _wrap_wake_up(original):
     def wake_up(self, tags=None, *args, **kwargs):
         if not config.is_active():
             return original(self, tags, *args, **kwargs)
-        # A failure is answered, so that the executor reads every rank's reply.
-        return rank_sleep.wake_rank(lambda: wake(self, tags, *args, **kwargs))
+        return wake(self, tags, *args, **kwargs)
 
     return wake_up
 
