@@ -368,14 +368,7 @@ class GraphSleepAllocator:
         limit back here: a next engine starts with the context's stack."""
         if self._settler is not None:
             self._settler.stop()
-        try:
-            self._stack.restore()
-        except Exception as error:
-            logger.warning(
-                "graph-sleep: at shutdown, the per-thread stack limit could not be restored (%s); "
-                "a next engine in this process starts with it lowered",
-                error,
-            )
+        self._stack.shut_down()
         self._workspaces.shut_down()
         self._router.drop_graph_pool()
         self._driver.collect_garbage()
@@ -448,7 +441,9 @@ class GraphSleepAllocator:
 
         early.wait_if_ahead(clock)
         try:
-            released = release_backed_up(self._driver, self._backups, to_back_up)
+            released = release_backed_up(
+                self._driver, self._backups, to_back_up, self.table.frees_held
+            )
         except PartialRelease as error:
             raise SleepError(
                 f"sleep failed after releasing {error.released} of {len(to_back_up)} backed-up "

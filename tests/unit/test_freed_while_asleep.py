@@ -167,3 +167,26 @@ def test_with_host_memory_released_a_failed_sleeps_buffers_go_at_the_next_wake()
     assert all(address in driver.memory for address in weights)
     manager.wake_up()  # vLLM's resume after the failed sleep: nothing is asleep
     assert manager.host_bytes() == 0
+
+
+def test_a_weight_torch_frees_during_the_backup_is_left_out_of_the_release():
+    """Its last tensor dies while the sleep backs up (a garbage cycle or
+    another thread), and the backup's own cache release frees it: the sleep
+    must neither count it backed up nor release it again."""
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    kept, doomed = _weights_with_one_to_die(driver, manager)
+    fingerprint = driver.fingerprint
+
+    def fingerprint_then_a_tensor_dies(ranges, out):
+        fingerprint(ranges, out)
+        driver.tensor_dies(doomed)
+
+    driver.fingerprint = fingerprint_then_a_tensor_dies
+    manager.sleep(offload_tags=("weights",))
+    driver.fingerprint = fingerprint
+    assert doomed not in manager.allocations and driver.unmap_calls.count(doomed) == 1
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 0
+    manager.wake_up()
+    assert bool((driver.read(kept) == 1).all())
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == PAGE

@@ -411,7 +411,9 @@ class Backups:
             self._driver.release_cached_memory()
             clock.lap("backup's scratch freed")
         for allocation in allocations:
-            allocation.has_backup = True
+            # One torch freed meanwhile (that release, or one on another
+            # thread) is gone: the extension released it.
+            allocation.has_backup = not allocation.freed
         return count
 
     def _tensor_starts(self, allocations: list[Allocation]) -> list[list[int]]:

@@ -40,15 +40,23 @@ class PartialRelease(Exception):
 
 
 def release_backed_up(
-    driver: DeviceDriver, backups: Backups, backed_up: list[Allocation]
+    driver: DeviceDriver,
+    backups: Backups,
+    backed_up: list[Allocation],
+    frees_held: Callable[[], AbstractContextManager[Any]],
 ) -> list[Allocation]:
-    """Unmaps `backed_up` (their backups are complete); on a failure maps back
-    those already released and raises `PartialRelease`."""
+    """Unmaps `backed_up` (their backups are complete), each checked and
+    released with torch's frees held (see `drop`): one torch freed since its
+    backup is left out; on a failure maps back those already released and
+    raises `PartialRelease`."""
     released: list[Allocation] = []
     try:
         for allocation in backed_up:
-            driver.unmap_and_release(*allocation.vmm_args())
-            allocation.unmapped()
+            with frees_held():
+                if allocation.freed:
+                    continue
+                driver.unmap_and_release(*allocation.vmm_args())
+                allocation.unmapped()
             released.append(allocation)
     except Exception as error:
         note = backups.restore_after_failed_sleep(released, backed_up)

@@ -58,3 +58,15 @@ class StackLimiter:
         for device, limit in sorted(self._saved.items()):
             self._driver.set_stack_limit(device, limit)
             del self._saved[device]
+
+    def shut_down(self) -> None:
+        """Engine shutdown: puts the stack limits back, so that a next engine
+        starts with the context's stack; a refusal is logged, not raised."""
+        try:
+            self.restore()
+        except Exception as error:
+            logger.warning(
+                "graph-sleep: at shutdown, the per-thread stack limit could not be restored (%s); "
+                "a next engine in this process starts with it lowered",
+                error,
+            )
