@@ -441,9 +441,7 @@ class GraphSleepAllocator:
 
         early.wait_if_ahead(clock)
         try:
-            released = release_backed_up(
-                self._driver, self._backups, to_back_up, self.table.frees_held
-            )
+            released = release_backed_up(self._driver, self._backups, to_back_up)
         except PartialRelease as error:
             raise SleepError(
                 f"sleep failed after releasing {error.released} of {len(to_back_up)} backed-up "

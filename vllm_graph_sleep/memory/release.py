@@ -40,23 +40,18 @@ class PartialRelease(Exception):
 
 
 def release_backed_up(
-    driver: DeviceDriver,
-    backups: Backups,
-    backed_up: list[Allocation],
-    frees_held: Callable[[], AbstractContextManager[Any]],
+    driver: DeviceDriver, backups: Backups, backed_up: list[Allocation]
 ) -> list[Allocation]:
-    """Unmaps `backed_up` (their backups are complete), each checked and
-    released with torch's frees held (see `drop`): one torch freed since its
-    backup is left out; on a failure maps back those already released and
-    raises `PartialRelease`."""
+    """Unmaps `backed_up` (their backups are complete), but one torch freed
+    since its backup (the backup's own cache release, on this thread); on a
+    failure maps back those already released and raises `PartialRelease`."""
     released: list[Allocation] = []
     try:
         for allocation in backed_up:
-            with frees_held():
-                if allocation.freed:
-                    continue
-                driver.unmap_and_release(*allocation.vmm_args())
-                allocation.unmapped()
+            if allocation.freed:
+                continue
+            driver.unmap_and_release(*allocation.vmm_args())
+            allocation.unmapped()
             released.append(allocation)
     except Exception as error:
         note = backups.restore_after_failed_sleep(released, backed_up)
