@@ -56,7 +56,11 @@ def _describe(error: BaseException) -> str:
 
 
 def _answered(call: Callable[[], Any], failed: str) -> Any:
-    """What `call` returns, or the RankFailure it raised (logged as `failed`)."""
+    """What `call` returns, or, where graph offload is active in this worker,
+    the RankFailure it raised (logged as `failed`); stock's contract
+    otherwise: it raises."""
+    if not config.is_active():
+        return call()
     try:
         return call()
     except Exception as error:
@@ -66,10 +70,7 @@ def _answered(call: Callable[[], Any], failed: str) -> Any:
 
 def sleep_answering(worker: Any, level: int) -> RankFailure | None:
     """Run on every rank (collective_rpc) by the executor's sleep: the
-    worker's sleep, whose failure is answered, not raised, where graph offload
-    is active in this worker (stock's contract otherwise: it raises)."""
-    if not config.is_active():
-        return worker.sleep(level=level)
+    worker's sleep, whose failure is answered, not raised (`_answered`)."""
     return _answered(
         lambda: worker.sleep(level=level),
         "this rank could not sleep; every rank is woken back up",
@@ -79,8 +80,6 @@ def sleep_answering(worker: Any, level: int) -> RankFailure | None:
 def wake_answering(worker: Any, tags: list[str] | None) -> Any:
     """Run on every rank by the executor's wake: the worker's wake, answered
     as `sleep_answering` answers."""
-    if not config.is_active():
-        return worker.wake_up(tags)
     return _answered(
         lambda: worker.wake_up(tags), "this rank could not wake; the engine stays asleep"
     )

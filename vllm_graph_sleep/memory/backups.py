@@ -554,13 +554,14 @@ class Backups:
 
     def roll_back(self, mapped: list[Allocation]) -> None:
         """Unmaps what a failed wake mapped; their backups stay. One torch
-        freed meanwhile is gone already (the extension unmapped it)."""
+        freed meanwhile is unmapped already (on_free recorded it, and the
+        extension unmapped it)."""
         # Copies restore queued may still be running into this memory (and, with
         # registered host buffers, out of host memory that nothing else keeps
         # from being unmapped); a device too broken to wait for is unmapped anyway.
         self.wait_for_devices(mapped, "rollback")
         for allocation in reversed(mapped):
-            if allocation.freed or not allocation.mapped:
+            if not allocation.mapped:
                 continue
             try:
                 self._driver.unmap_and_release(*allocation.vmm_args())

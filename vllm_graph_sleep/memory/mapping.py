@@ -51,7 +51,7 @@ class WakeMapper:
         run_of = {allocation.address: run for run in self._runs(allocations) for allocation in run}
         with_run: set[int] = set()
         for allocation in allocations:
-            if allocation.address in with_run or allocation.freed:
+            if allocation.address in with_run:
                 continue
             run = run_of.get(allocation.address)
             if run is not None:
