@@ -257,7 +257,8 @@ class GraphSleepAllocator:
         return self._backups.keep_unchanged
 
     def last_backup(self) -> BackupCount:
-        """What the last sleep's backup copied and kept, bytes per tag."""
+        """What the last sleep's backup copied and kept, bytes per tag (nothing
+        when its backup failed)."""
         return self._last_backup
 
     @property
@@ -424,6 +425,7 @@ class GraphSleepAllocator:
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
         early, to_drop = self._kv_cache_release.split(to_back_up, to_drop, kv_cache_cleared)
+        self._last_backup = BackupCount()  # a backup that fails copies and keeps nothing
         try:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()

@@ -203,6 +203,9 @@ def test_a_failed_sleep_leaves_nothing_trusted_and_the_next_copies_all(layers, f
     driver, manager, addresses = layers
     manager.sleep(offload_tags=("weights",))
     manager.wake_up()
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().kept == {"weights": 4 * LAYER}
+    manager.wake_up()
     driver.memory[addresses[0]][0] ^= 1
     if failing == "host_buffer":
         # A new buffer is asked for only when the size changes: make one grow.
@@ -211,6 +214,8 @@ def test_a_failed_sleep_leaves_nothing_trusted_and_the_next_copies_all(layers, f
     driver.fail(failing, after=1 if failing == "synchronize" else 0)
     with pytest.raises(SleepError):
         manager.sleep(offload_tags=("weights",))
+    # The ledger's copied and kept bytes are the failed sleep's, not the one before's.
+    assert manager.last_backup().kept in ({}, {"weights": 0})
     assert all(manager.allocations[a].fingerprints is None for a in addresses)
     expected = contents(driver, addresses)
     manager.sleep(offload_tags=("weights",))
