@@ -20,7 +20,9 @@
   after the other, and a /sleep or another POST that arrives during one waits
   for it to end, then is judged by the state it left (a wake sent during a
   checkpoint restores the engine it finds checkpointed; a second deep sleep
-  gets 409). Before that, every request takes stock's path.
+  gets 409). A deep sleep also waits for the other POSTs admitted before it
+  to be answered, so that none reaches the engine once it is checkpointed.
+  Before the first deep sleep, every request takes stock's path.
 - When the engine client shuts down (the server's shutdown), a checkpointed
   engine is restored first, so that vLLM stops an engine core that runs again
   (deep_sleep.restore_before_shutdown).
@@ -105,6 +107,10 @@ class DeepSleepEndpoints:
         self.app = app
         self._controller = controller  # made at the first deep sleep asked for
         self._transition: asyncio.Lock | None = None
+        # Other POSTs admitted and not yet answered: a deep sleep waits for them,
+        # or one could reach the engine after its checkpoint and hang until the wake.
+        self._others = 0
+        self._no_others: asyncio.Event | None = None
 
     @property
     def checkpointed(self) -> bool:
@@ -125,7 +131,8 @@ class DeepSleepEndpoints:
             await self.app(scope, receive, send)
             return
         if self._transition is None:
-            self._transition = asyncio.Lock()
+            self._transition, self._no_others = asyncio.Lock(), asyncio.Event()
+            self._no_others.set()
         deep = False
         if path == SLEEP_PATH:
             params = QueryParams(scope["query_string"])
@@ -135,7 +142,8 @@ class DeepSleepEndpoints:
                 return
         if not deep and self._controller is None:
             # No deep sleep was ever asked of this server: stock's path, no waiting.
-            await self.app(scope, receive, send)
+            self._admit()
+            await self._answer_admitted(scope, receive, send)
             return
         if path == WAKE_UP_PATH:
             async with self._transition:
@@ -149,14 +157,29 @@ class DeepSleepEndpoints:
                 if self.checkpointed:
                     await self._refuse_while_checkpointed(scope, receive, send)
                 else:
+                    await self._no_others.wait()
                     await self._deep_sleep(scope, receive, send)
             return
         async with self._transition:  # a transition under way ends first
             refused = self.checkpointed
+            if not refused:
+                self._admit()
         if refused:
             await self._refuse_while_checkpointed(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        await self._answer_admitted(scope, receive, send)
+
+    def _admit(self) -> None:
+        self._others += 1
+        self._no_others.clear()
+
+    async def _answer_admitted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._others -= 1
+            if not self._others:
+                self._no_others.set()
 
     async def _refuse_while_checkpointed(self, scope: Scope, receive: Receive, send: Send) -> None:
         await _error(

@@ -432,6 +432,11 @@ def serve_async(engine_pid, monkeypatch, scenario, lib=None, wait_s="5"):
     api_router.attach_router(app)
     app.state.engine_client = engine
 
+    @app.post("/reset_prefix_cache")  # any other POST that reaches the engine
+    async def reset_prefix_cache() -> dict:
+        await engine.reset_prefix_cache()
+        return {}
+
     @app.post("/v1/completions")
     async def completions() -> dict:
         await AsyncLLM._add_request(engine, "request", None, None, 0, None)
@@ -487,6 +492,40 @@ def test_without_a_deep_sleep_nothing_waits_for_a_wake(engine_pid, monkeypatch):
     (wake, sleep), engine, lib = serve_async(engine_pid, monkeypatch, scenario)
     assert wake.status_code == 200 and sleep.status_code == 200
     assert sleep.seconds < 0.3 and lib.calls == []
+
+
+@pytest.mark.parametrize("deep_before", [False, True], ids=["first", "after_a_deep_cycle"])
+def test_a_deep_sleep_waits_for_the_other_posts_admitted_before_it(
+    engine_pid, monkeypatch, deep_before
+):
+    """A POST admitted before a deep sleep reaches the engine before its
+    checkpoint, not after it (where its GPU work would wait for the wake)."""
+    import asyncio
+
+    lib = FakeLibcuda()
+    found = []
+
+    async def slow_reset(self):
+        await asyncio.sleep(0.4)
+        self.calls.append(("reset_prefix_cache",))
+        found.append(lib.states.get(engine_pid, "running"))
+
+    async def scenario(post, client):
+        if deep_before:
+            await post("/sleep?level=1&checkpoint=1")
+            await post("/wake_up")
+        return await asyncio.gather(
+            post("/reset_prefix_cache"), post("/sleep?level=1&checkpoint=1", delay=0.1)
+        )
+
+    monkeypatch.setattr(EngineServing, "reset_prefix_cache", slow_reset, raising=False)
+    (reset, sleep), engine, lib = serve_async(engine_pid, monkeypatch, scenario, lib)
+    assert reset.status_code == 200 and sleep.status_code == 200, sleep.text
+    assert found == ["running"]
+    assert sleep.seconds >= 0.25  # it waited for the reset to be answered
+    calls = [call[0] for call in engine.calls if call[0] != "is_sleeping"]
+    assert calls[-2:] == ["reset_prefix_cache", "sleep"]
+    assert lib.states[engine_pid] == "checkpointed"
 
 
 def test_a_second_deep_sleep_during_the_first_gets_409(engine_pid, monkeypatch):
