@@ -211,6 +211,7 @@ class DeepSleep:
         # Locked by us and not unlocked (the unlock after a restore, or after a
         # refused checkpoint, failed): a wake retries the unlock.
         self.locked_pid: int | None = None
+        self._closed = False  # the engine is being stopped: no checkpoint any more
 
     @property
     def holds_engine(self) -> bool:
@@ -252,6 +253,8 @@ class DeepSleep:
     def checkpoint(self, pid: int) -> Checkpointed:
         """Locks `pid` (its CUDA work in flight finishes) and checkpoints it."""
         with self._lock:
+            if self._closed:
+                raise DeepSleepRefused("the engine is shutting down")
             if self.holds_engine:
                 raise DeepSleepError("the engine is already checkpointed: wake it first")
             device, held = self.held_on_one_gpu(pid)
@@ -373,6 +376,13 @@ class DeepSleep:
             )
             return done - started
 
+    def close(self) -> float:
+        """For the engine's shutdown: waits for a checkpoint under way, restores
+        what the driver holds (restore) and refuses every later checkpoint."""
+        with self._lock:
+            self._closed = True
+        return self.restore()
+
     def _unlock_held(self, pid: int, failure: str) -> None:
         try:
             self._driver.unlock(pid)
@@ -411,13 +421,14 @@ def restore_before_shutdown(engine_client: Any) -> None:
     on the driver's lock. vLLM's launcher stops the engine client on SIGINT
     or SIGTERM before the HTTP server's lifespan ends, so the server's own
     shutdown comes too late for this. A restore that fails is logged, and the
-    shutdown goes on."""
+    shutdown goes on. A checkpoint under way is waited for, and none starts
+    afterwards (DeepSleep.close)."""
     controller = _server_controllers.get(engine_client)
-    if controller is None or not controller.holds_engine:
+    if controller is None:
         return
     try:
-        controller.restore()
-    except DeepWakeError as error:
+        controller.close()
+    except Exception as error:  # NVML's errors too: vLLM's shutdown must still run
         logger.error("graph-sleep: at shutdown, the engine was not restored: %s", error)
 
 

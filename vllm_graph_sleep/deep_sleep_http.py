@@ -107,6 +107,8 @@ class DeepSleepEndpoints:
         self.app = app
         self._controller = controller  # made at the first deep sleep asked for
         self._transition: asyncio.Lock | None = None
+        # From the first deep sleep asked on: one transition at a time.
+        self._deep_asked = controller is not None
         # Other POSTs admitted and not yet answered: a deep sleep waits for them,
         # or one could reach the engine after its checkpoint and hang until the wake.
         self._others = 0
@@ -140,7 +142,8 @@ class DeepSleepEndpoints:
             if error is not None:
                 await _error(400, error)(scope, receive, send)
                 return
-        if not deep and self._controller is None:
+        self._deep_asked = self._deep_asked or deep
+        if not self._deep_asked:
             # No deep sleep was ever asked of this server: stock's path, no waiting.
             self._admit()
             await self._answer_admitted(scope, receive, send)
@@ -157,7 +160,8 @@ class DeepSleepEndpoints:
                 if self.checkpointed:
                     await self._refuse_while_checkpointed(scope, receive, send)
                 else:
-                    await self._no_others.wait()
+                    while self._others:  # those admitted before it, none after
+                        await self._no_others.wait()
                     await self._deep_sleep(scope, receive, send)
             return
         async with self._transition:  # a transition under way ends first

@@ -301,7 +301,7 @@ def test_a_wake_without_room_answers_503_and_the_engine_stays_asleep(engine_pid,
     assert engine.calls[-1] == ("wake_up", None) and lib.states[engine_pid] == "running"
 
 
-@pytest.mark.parametrize("refused", [False, True], ids=["restored", "no_room"])
+@pytest.mark.parametrize("refused", [None, "no_room", "nvml_error"])
 def test_an_engine_client_shut_down_checkpointed_restores_the_engine_first(
     engine_pid, monkeypatch, caplog, refused
 ):
@@ -313,8 +313,14 @@ def test_an_engine_client_shut_down_checkpointed_restores_the_engine_first(
 
     client, engine, deep, lib = http(engine_pid, monkeypatch)
     assert client.post("/sleep?checkpoint=1").status_code == 200
-    if refused:
+    if refused == "no_room":
         deep._memory.free = 0
+    elif refused == "nvml_error":
+
+        def lost(device):
+            raise RuntimeError("NVML: GPU is lost")
+
+        monkeypatch.setattr(deep._memory, "free_bytes", lost)
     seen_by_vllm = []
     shutdown = v1_engine_async_llm._wrap_shutdown(
         lambda engine_client, timeout=None: seen_by_vllm.append(lib.states[engine_pid])
@@ -327,6 +333,28 @@ def test_an_engine_client_shut_down_checkpointed_restores_the_engine_first(
     else:
         assert seen_by_vllm == ["running"] and not deep.holds_engine
     shutdown(engine)  # a second shutdown (vLLM's __del__) finds nothing more to do
+
+
+def test_a_shutdown_during_a_checkpoint_waits_for_it_and_restores(engine_pid):
+    """vLLM's launcher stops the engine client on a thread while the HTTP
+    server still serves: a checkpoint under way then must not leave vLLM
+    stopping a checkpointed engine, and none may start after the shutdown."""
+    import threading
+    import time
+
+    lib = FakeLibcuda(hang_s={"cuCheckpointProcessCheckpoint": 0.5})
+    deep, _ = controller(engine_pid, lib)
+    engine = EngineWithCore(engine_pid)
+    deep_sleep.serve_deep_sleep(engine, deep)
+    checkpointing = threading.Thread(target=deep.checkpoint, args=(engine_pid,))
+    checkpointing.start()
+    time.sleep(0.1)  # the checkpoint is under way
+    deep_sleep.restore_before_shutdown(engine)
+    assert lib.states[engine_pid] == "running"
+    checkpointing.join()
+    with pytest.raises(DeepSleepRefused, match="shutting down"):
+        deep.checkpoint(engine_pid)
+    assert lib.states[engine_pid] == "running" and not deep.holds_engine
 
 
 def test_a_refused_deep_sleep_does_not_sleep(engine_pid, monkeypatch):
@@ -526,6 +554,105 @@ def test_a_deep_sleep_waits_for_the_other_posts_admitted_before_it(
     calls = [call[0] for call in engine.calls if call[0] != "is_sleeping"]
     assert calls[-2:] == ["reset_prefix_cache", "sleep"]
     assert lib.states[engine_pid] == "checkpointed"
+
+
+@pytest.mark.parametrize("deep_before", [False, True], ids=["first", "after_a_deep_cycle"])
+def test_a_wake_sent_during_a_deep_sleep_that_waits_runs_after_it(
+    engine_pid, monkeypatch, deep_before
+):
+    """The first deep sleep too: a /wake_up sent while it waits for an earlier
+    POST runs after it, and wakes the engine it checkpointed."""
+    import asyncio
+
+    async def slow_reset(self):
+        await asyncio.sleep(0.4)
+
+    async def scenario(post, client):
+        if deep_before:
+            await post("/sleep?level=1&checkpoint=1")
+            await post("/wake_up")
+        answers = await asyncio.gather(
+            post("/reset_prefix_cache"),
+            post("/sleep?level=1&checkpoint=1", delay=0.1),
+            post("/wake_up", delay=0.2),
+        )
+        return answers, (await client.get("/is_sleeping")).json()
+
+    monkeypatch.setattr(EngineServing, "reset_prefix_cache", slow_reset, raising=False)
+    (answers, asleep), engine, lib = serve_async(engine_pid, monkeypatch, scenario)
+    assert [answer.status_code for answer in answers] == [200, 200, 200]
+    calls = [call[0] for call in engine.calls if call[0] in ("sleep", "wake_up")]
+    assert calls[-2:] == ["sleep", "wake_up"]
+    assert lib.states[engine_pid] == "running" and asleep == {"is_sleeping": False}
+
+
+def test_a_post_admitted_as_the_first_deep_sleep_stops_waiting_is_waited_for(
+    engine_pid, monkeypatch
+):
+    """A POST that arrives in the event loop's turn where the last earlier one
+    is answered is not let past the deep sleep: it waits for it (409 once
+    checkpointed), and reaches no checkpointed engine."""
+    import asyncio
+
+    from vllm_graph_sleep.deep_sleep_http import DeepSleepEndpoints
+
+    deep, lib = controller(engine_pid)
+    monkeypatch.setattr(DeepSleep, "load", classmethod(lambda cls: deep))
+    engine = EngineWithCore(engine_pid)
+    reached = []
+
+    async def main():
+        earlier_done, later_done = asyncio.Event(), asyncio.Event()
+
+        async def vllm(scope, receive, send):
+            if scope["path"] == "/earlier":
+                await earlier_done.wait()
+            elif scope["path"] == "/later":
+                await later_done.wait()
+                reached.append(lib.states.get(engine_pid, "running"))
+            elif scope["path"] == "/sleep":
+                await engine.sleep(1, "abort")
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        middleware = DeepSleepEndpoints(vllm)
+        app = SimpleNamespace(state=SimpleNamespace(engine_client=engine, args=None))
+        answers: dict[str, int] = {}
+
+        def post(path, query=b""):
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": path,
+                "root_path": "",
+                "query_string": query,
+                "app": app,
+                "headers": [],
+            }
+
+            async def receive():
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    answers[path] = message["status"]
+
+            return asyncio.ensure_future(middleware(scope, receive, send))
+
+        earlier = post("/earlier")
+        await asyncio.sleep(0.01)
+        sleep = post("/sleep", b"level=1&checkpoint=1")
+        await asyncio.sleep(0.01)
+        assert not sleep.done()  # it waits for /earlier
+        earlier_done.set()
+        later = post("/later")  # in the same turn as /earlier's answer
+        later_done.set()
+        await asyncio.gather(earlier, sleep, later)
+        return answers
+
+    answers = asyncio.run(main())
+    assert answers == {"/earlier": 200, "/sleep": 200, "/later": 409}
+    assert reached == [] and lib.states[engine_pid] == "checkpointed"
 
 
 def test_a_second_deep_sleep_during_the_first_gets_409(engine_pid, monkeypatch):
