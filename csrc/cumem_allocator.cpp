@@ -451,8 +451,14 @@ bool create_and_map(int device, size_t size, uint64_t address, Allocation* alloc
     }
     allocation->range_held = true;
   }
-  // On failure the range stays reserved for the next wake.
-  return map_fresh_memory(device, address, size, &allocation->physical);
+  // On failure the range stays reserved for the next wake, and the record
+  // keeps the handle it had (a refused call on a mapped range changes nothing).
+  PhysicalHandle physical{};
+  if (!map_fresh_memory(device, address, size, &physical)) {
+    return false;
+  }
+  allocation->physical = physical;
+  return true;
 }
 
 // All or nothing, like map_fresh_memory: on failure the memory is still mapped

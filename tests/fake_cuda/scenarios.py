@@ -239,6 +239,21 @@ def refused_runs_change_nothing(fake: Fake, alloc: Allocator) -> None:
     assert fake.physical() == 12 * MIB
 
 
+def a_refused_map_over_a_mapped_range_changes_nothing(fake: Fake, alloc: Allocator) -> None:
+    # driver.py's promise: a refusal maps nothing, and the record keeps the
+    # handle of what is mapped (a sleep then gives that memory back).
+    address = alloc.malloc(4 * MIB)
+    try:
+        alloc.ext.create_and_map(*alloc.args(address))
+    except RuntimeError as error:
+        assert "cuMemMap" in str(error), error
+    else:
+        raise AssertionError("a mapped range was mapped again")
+    assert fake.physical() == fake.mapped() == 4 * MIB
+    alloc.sleep(address)
+    assert fake.physical() == fake.mapped() == 0
+
+
 def a_range_whose_unmap_failed_is_not_given_back(fake: Fake, alloc: Allocator) -> None:
     address = alloc.malloc(8 * MIB)
     fake.fail("cuMemUnmap")

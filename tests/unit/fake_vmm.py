@@ -104,6 +104,9 @@ class FakeVmmDriver:
         self.blocks: dict[int, list[tuple[int, int, str]]] = {}
         self._on_malloc = None
         self._on_free = None
+        # Handles my_free deleted: the extension's Allocation is gone, and a
+        # create_and_map with one reads freed memory (caught here, undefined there).
+        self.freed_handles: set[int] = set()
         self.cached: set[int] = set()  # segments whose tensor died, still in their pool
         self._freeable: list[list[int]] = []  # segment lists of dropped pools
         self.failures: dict[str, int] = {}  # call -> how many calls succeed before it fails
@@ -145,6 +148,8 @@ class FakeVmmDriver:
         self._on_malloc, self._on_free = on_malloc, on_free
 
     def create_and_map(self, device: int, size: int, address: int, handle: int) -> None:
+        if handle in self.freed_handles:
+            raise AssertionError(f"create_and_map of {address:#x}: my_free deleted its allocation")
         self._maybe_fail("create_and_map", "cuMemCreate failed: out of memory")
         run = self.run_of.get(address)
         if run is not None:  # back in use in its run, with its bytes
@@ -445,6 +450,7 @@ class FakeVmmDriver:
         """my_free: what the driver refuses to give back (fail("unmap_and_release"))
         the extension holds for `retry_refused_frees`, the record gone."""
         size, handle, mapped = self._on_free(address)
+        self.freed_handles.add(handle)
         run = self.run_of.get(address)
         if run is not None:  # its bytes go with the run
             if run["in_use"] == {address} and self._refuses("unmap_and_release", address):

@@ -27,6 +27,7 @@ SCENARIOS = [
     "a_member_freed_inside_its_run_keeps_its_memory_until_the_run_ends",
     "a_run_the_driver_will_not_release_stays_mapped_and_members_rejoin",
     "refused_runs_change_nothing",
+    "a_refused_map_over_a_mapped_range_changes_nothing",
     "a_range_whose_unmap_failed_is_not_given_back",
     "what_refused_frees_left_is_counted_and_a_retry_gives_it_back",
     "a_run_its_last_free_could_not_end_is_held_until_a_retry_or_a_member_rejoins",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -190,3 +191,34 @@ def test_a_weight_torch_frees_during_the_backup_is_left_out_of_the_release():
     manager.wake_up()
     assert bool((driver.read(kept) == 1).all())
     assert manager.all_mapped_bytes() == driver.mapped_bytes() == PAGE
+
+
+@pytest.mark.parametrize("failing", ["block", "backup"])
+def test_a_kv_segment_torch_frees_after_its_release_ahead_is_not_mapped_back_by_the_undo(
+    failing, caplog
+):
+    """A sleep that fails maps the KV cache's released records back: not one
+    torch freed meanwhile (my_free deleted its allocation; mapping it again
+    would read freed memory and map bytes no record owns)."""
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    with manager.use_memory_pool("weights"):
+        weights = driver.malloc(PAGE)
+    with manager.use_memory_pool("kv_cache"):
+        kv = driver.malloc(4 * PAGE)
+        doomed = driver.malloc(PAGE)
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        with pytest.raises((RuntimeError, SleepError)):
+            with manager.kv_cache_released_ahead():
+                deadline = time.monotonic() + 5
+                while doomed not in driver.unmap_calls and time.monotonic() < deadline:
+                    time.sleep(0.001)  # the KV cache's thread releases it
+                driver.free(doomed)  # torch frees it meanwhile: its tensor died
+                if failing == "block":
+                    raise RuntimeError("suspend failed")
+                driver.fail("synchronize")
+                manager.sleep(offload_tags=("weights",), kv_cache_cleared=True)
+    assert "could not map" not in caplog.text
+    assert doomed not in manager.allocations and doomed not in driver.memory
+    assert kv in driver.memory and weights in driver.memory
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 5 * PAGE

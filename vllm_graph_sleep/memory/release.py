@@ -261,7 +261,8 @@ class EarlyDrop:
     def undo(self, backups: Backups) -> str:
         """Maps back what the thread released; says so, for the sleep's error."""
         self.finish()
-        emptied = [allocation for allocation in self.allocations if not allocation.mapped]
+        # Not those torch freed meanwhile: my_free deleted them (drop's frees_held).
+        emptied = [a for a in self.allocations if not a.mapped and not a.freed]
         if not emptied:
             return ""
         note = backups.restore_after_failed_sleep(emptied, [])
