@@ -257,9 +257,13 @@ def _validation_text(error: Exception) -> str:
 def resolve(engine_args: Any, platform: Any) -> Any:
     """vLLM's own VllmConfig for these arguments (compilation and parallel
     settings; no model, which would need the GPU and the weights)."""
+    import vllm._aiter_ops  # noqa: F401
     import vllm.platforms as platforms
     from vllm.config import ParallelConfig, VllmConfig
 
+    # vllm._aiter_ops, which VllmConfig imports on ROCm, is imported above under
+    # the real platform: imported under the ROCm stand-in, it would load
+    # vllm.platforms.rocm, which asks the GPU for its architecture at import.
     planned = platform if isinstance(platform, PlannedPlatform) else None
     if planned is None:  # a detected platform: resolve as its kind, CUDA for a non-GPU one
         planned = PlannedPlatform("rocm" if platform.is_rocm() else "cuda")

@@ -1859,6 +1859,25 @@ def test_doctor_help(capsys):
     assert code == 0 and out.startswith("usage: vllm-graph-sleep doctor")
 
 
+def test_doctor_plans_for_rocm_alone_in_a_fresh_process():
+    """--platform rocm as a newcomer runs it, with nothing imported before it
+    (in one process with other tests, the CUDA plan had imported what the ROCm
+    plan's VllmConfig needs, and hid a traceback)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU: so on a GPU machine too
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_graph_sleep.cli", "doctor", "--platform", "rocm"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert "platform             rocm (planned with --platform" in result.stdout
+    assert "verdict" in result.stdout
+
+
 @pytest.mark.slow
 def test_doctor_command_line_is_quiet_and_clean():
     result = subprocess.run(
