@@ -520,6 +520,14 @@ bool give_back_held(HeldRange* range) {
   return true;
 }
 
+// Whether a held range still costs device memory: its mapping or physical
+// memory, or on ROCm its reservation alone (kPlaceholderWhileAsleep: ROCm keeps
+// the VRAM charged while the reservation lives); on CUDA a range alone is
+// address space.
+bool holds_device_memory(const HeldRange& range) {
+  return range.mapped || range.physical_held || (kPlaceholderWhileAsleep && range.range_held);
+}
+
 // Device bytes that refused frees left: of each such run what no range in
 // use accounts for (one mapped again rejoined it, and Python counts that
 // one), and the ranges.
@@ -527,8 +535,8 @@ size_t held_bytes() {
   Lock lock(&g_run_mutex);
   size_t bytes = run_bytes_out_of_use(g_held_runs);
   for (HeldRange* range = g_held_ranges; range != nullptr; range = range->next) {
-    if (range->mapped || range->physical_held) {
-      bytes += range->size;  // device memory; a range alone is address space
+    if (holds_device_memory(*range)) {
+      bytes += range->size;
     }
   }
   return bytes;
@@ -552,9 +560,9 @@ size_t retry_held() {
   }
   for (HeldRange** link = &g_held_ranges; *link != nullptr;) {
     HeldRange* range = *link;
-    const bool had_memory = range->mapped || range->physical_held;
+    const bool had_memory = holds_device_memory(*range);
     const bool done = give_back_held(range);
-    if (had_memory && !range->mapped && !range->physical_held) {
+    if (had_memory && !holds_device_memory(*range)) {
       freed += range->size;
     }
     if (done) {

@@ -1,6 +1,7 @@
 // A host-side stand-in for the CUDA driver calls the allocator extension
-// imports (nm -D --undefined-only _cumem*.so), so that its arena and runs run
-// on a machine without a GPU (tests/unit/test_allocator_on_fake_driver.py).
+// imports (nm -D --undefined-only _cumem*.so, of its rocm-on-cuda build too),
+// so that its arena and runs run on a machine without a GPU
+// (tests/unit/test_allocator_on_fake_driver.py).
 // Loaded with RTLD_GLOBAL before the extension, whose cu* symbols resolve here.
 //
 // What it models, and where from: reservations, physical allocations and
@@ -140,6 +141,15 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext* context, CUdevice device) {
 
 CUresult cuCtxSetCurrent(CUcontext context) {
   t_current = context;
+  return CUDA_SUCCESS;
+}
+
+// The rocm-on-cuda build's hipGetDevice asks for it (tests/rocm_shim).
+CUresult cuCtxGetDevice(CUdevice* device) {
+  if (t_current == nullptr) {
+    return CUDA_ERROR_INVALID_CONTEXT;
+  }
+  *device = static_cast<CUdevice>(reinterpret_cast<uintptr_t>(t_current) - 0x1000);
   return CUDA_SUCCESS;
 }
 

@@ -33,6 +33,8 @@ SCENARIOS = [
     "a_run_its_last_free_could_not_end_is_held_until_a_retry_or_a_member_rejoins",
     "members_freed_on_other_threads_while_a_sleep_unmaps",
 ]
+# Run on the rocm-on-cuda build (the ROCm code path over tests/rocm_shim), built here.
+ROCM_SCENARIOS = ["rocm_a_reservation_whose_free_was_refused_is_tried_again"]
 # What a scenario may write to stderr (the extension reports what has no caller
 # to raise to there): every other "[vllm_graph_sleep]" line fails it.
 EXPECTED_REPORTS = {
@@ -44,6 +46,9 @@ EXPECTED_REPORTS = {
     "a_run_its_last_free_could_not_end_is_held_until_a_retry_or_a_member_rejoins": [
         r"my_free: cuMemUnmap failed: out of memory",
         r"my_free: cuMemUnmap failed: out of memory",
+    ],
+    "rocm_a_reservation_whose_free_was_refused_is_tried_again": [
+        r"my_free: hipMemAddressFree failed: out of memory",
     ],
 }
 
@@ -85,9 +90,38 @@ def fake_driver(tmp_path_factory) -> str:
     return str(library)
 
 
+@pytest.fixture(scope="module")
+def rocm_on_cuda_build(tmp_path_factory) -> str:
+    """The allocator's ROCm code path over tests/rocm_shim, compiled as
+    CMakeLists.txt's rocm-on-cuda target does (no GPU or ROCm needed)."""
+    import sysconfig
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler for the rocm-on-cuda build")
+    root = FAKE_CUDA.parent.parent
+    extension = tmp_path_factory.mktemp("rocm_on_cuda") / "_cumem.so"
+    subprocess.run(
+        [compiler, "-std=c++17", "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror",
+         "-fno-exceptions", "-DUSE_ROCM", f"-I{root / 'tests' / 'rocm_shim'}",
+         f"-I{_cuda_header_dir()}", f"-I{sysconfig.get_paths()['include']}",
+         "-o", str(extension), str(root / "csrc" / "cumem_allocator.cpp")],
+        check=True,
+    )  # fmt: skip
+    return str(extension)
+
+
+@pytest.mark.parametrize("scenario", ROCM_SCENARIOS)
+def test_rocm_scenario_on_the_fake_driver(fake_driver, rocm_on_cuda_build, scenario):
+    _run_scenario(fake_driver, rocm_on_cuda_build, scenario)
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_scenario_on_the_fake_driver(fake_driver, scenario):
-    extension = _cuda_build()
+    _run_scenario(fake_driver, _cuda_build(), scenario)
+
+
+def _run_scenario(fake_driver: str, extension: str, scenario: str) -> None:
     result = subprocess.run(
         [sys.executable, str(FAKE_CUDA / "scenarios.py"), fake_driver, extension, scenario],
         capture_output=True,

@@ -71,7 +71,9 @@ class DeviceDriver(Protocol):
     def held_after_refused_frees(self) -> int:
         """Device bytes the extension holds because the driver refused to give
         them back when torch freed them (the allocations are gone from the
-        table): a run no range uses, or a range whose unmap or release failed."""
+        table): a run no range uses, or a range whose unmap or release failed
+        (on ROCm also one whose reservation's free failed: ROCm keeps the VRAM
+        of a live reservation charged)."""
         ...
 
     def retry_refused_frees(self) -> tuple[int, str]:

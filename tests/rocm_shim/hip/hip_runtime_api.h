@@ -98,6 +98,10 @@ inline std::vector<Range> parked;
 inline bool steal_armed = false;
 inline Range stolen{0, 0};
 
+// One-shot refusal of a range's free (the driver keeps it reserved): armed by
+// hip_shim_refuse_next_address_free().
+inline bool refuse_free_armed = false;
+
 inline bool take_parked(CUdeviceptr address, size_t size) {
   std::lock_guard<std::mutex> lock(parked_mutex);
   for (auto it = parked.begin(); it != parked.end(); ++it) {
@@ -125,6 +129,10 @@ inline hipError_t hipMemAddressReserve(void** ptr, size_t size, size_t alignment
 
 inline hipError_t hipMemAddressFree(void* ptr, size_t size) {
   const auto address = reinterpret_cast<CUdeviceptr>(ptr);
+  if (hip_shim::refuse_free_armed) {
+    hip_shim::refuse_free_armed = false;
+    return CUDA_ERROR_OUT_OF_MEMORY;
+  }
   if (hip_shim::steal_armed) {
     // The thief holds the range: neither parked nor freed in the driver.
     hip_shim::steal_armed = false;
@@ -179,6 +187,9 @@ inline hipError_t hipDeviceSetLimit(hipLimit_t limit, size_t value) {
 // The next range the allocator frees is reserved again at once, as if another
 // thread of the process had taken it between the free and the placeholder.
 HIP_SHIM_EXPORT void hip_shim_steal_next_freed_range() { hip_shim::steal_armed = true; }
+
+// The driver refuses the next range's free (hipMemAddressFree), once.
+HIP_SHIM_EXPORT void hip_shim_refuse_next_address_free() { hip_shim::refuse_free_armed = true; }
 
 // Gives a stolen range back (freed, so a reservation that asks for its
 // address gets it); returns the address it held (0 if none).
