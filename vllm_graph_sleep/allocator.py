@@ -411,6 +411,8 @@ class GraphSleepAllocator:
             offload_tags = (DEFAULT_TAG,)
         offload = self._router.normalize(offload_tags, "sleep")
         self._kv_cache_release.check_sleep(offload, kv_cache_cleared)
+        # Once the call is valid: a sleep that fails from here copies and keeps nothing.
+        self._last_backup = BackupCount()
         clock = PhaseClock()
         # Before new backups: those of allocations freed since the last call.
         self._driver.release_dropped_host_buffers()
@@ -425,7 +427,6 @@ class GraphSleepAllocator:
         to_back_up = [allocation for allocation in awake if allocation.tag in offload]
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
         early, to_drop = self._kv_cache_release.split(to_back_up, to_drop, kv_cache_cleared)
-        self._last_backup = BackupCount()  # a backup that fails copies and keeps nothing
         try:
             live = self._backups.live_ranges(
                 self._router.graph_pool_segments(), self._workspaces.blocks()

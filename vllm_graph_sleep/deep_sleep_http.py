@@ -21,7 +21,8 @@
   for it to end, then is judged by the state it left (a wake sent during a
   checkpoint restores the engine it finds checkpointed; a second deep sleep
   gets 409). A deep sleep also waits for the other POSTs admitted before it
-  to be answered, so that none reaches the engine once it is checkpointed.
+  to be answered, so that none reaches the engine once it is checkpointed;
+  after OTHERS_WAIT_S it answers 503 with Retry-After, nothing done.
   Before the first deep sleep, every request takes stock's path.
 - When the engine client shuts down (the server's shutdown), a checkpointed
   engine is restored first, so that vLLM stops an engine core that runs again
@@ -59,8 +60,12 @@ logger = logging.getLogger("vllm.graph_sleep")
 
 IS_SLEEPING_PATH = "/is_sleeping"
 CHECKPOINT_PARAM = "checkpoint"
-#: Seconds a client is told to wait before it retries a wake refused for room.
+#: Seconds a client is told to wait before it retries a wake refused for room,
+#: or a deep sleep refused for other POSTs still unanswered.
 RETRY_AFTER_S = 5
+#: Seconds a deep sleep waits for the other POSTs admitted before it (a client
+#: that never finishes its request's body would hold it, and every wake behind it).
+OTHERS_WAIT_S = 30.0
 
 
 def _error(status: int, message: str, **headers: str) -> JSONResponse:
@@ -159,9 +164,15 @@ class DeepSleepEndpoints:
             async with self._transition:
                 if self.checkpointed:
                     await self._refuse_while_checkpointed(scope, receive, send)
+                elif not await self._others_answered():
+                    await _error(
+                        503,
+                        f"deep sleep not started: {self._others} other request(s) to this "
+                        f"server still unanswered after {OTHERS_WAIT_S:g} s; the engine is "
+                        "as it was",
+                        **{"Retry-After": str(RETRY_AFTER_S)},
+                    )(scope, receive, send)
                 else:
-                    while self._others:  # those admitted before it, none after
-                        await self._no_others.wait()
                     await self._deep_sleep(scope, receive, send)
             return
         async with self._transition:  # a transition under way ends first
@@ -172,6 +183,18 @@ class DeepSleepEndpoints:
             await self._refuse_while_checkpointed(scope, receive, send)
             return
         await self._answer_admitted(scope, receive, send)
+
+    async def _others_answered(self) -> bool:
+        """Waits, up to OTHERS_WAIT_S, for the other POSTs admitted before a
+        deep sleep (none is admitted while it holds the transition)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + OTHERS_WAIT_S
+        while self._others:
+            try:
+                await asyncio.wait_for(self._no_others.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     def _admit(self) -> None:
         self._others += 1

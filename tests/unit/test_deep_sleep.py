@@ -586,6 +586,57 @@ def test_a_wake_sent_during_a_deep_sleep_that_waits_runs_after_it(
     assert lib.states[engine_pid] == "running" and asleep == {"is_sleeping": False}
 
 
+class AsgiPosts:
+    """DeepSleepEndpoints over a stand-in for vLLM's app, driven as ASGI with no
+    HTTP in between (a request can be held at any step): `post(path)` starts
+    one and returns its task; the inner app waits for `gates[path]` (an
+    asyncio.Event) where there is one, and a /sleep puts the engine to sleep.
+    A request whose path is in `stalled_bodies` never finishes sending its body."""
+
+    def __init__(self, engine) -> None:
+        import asyncio
+
+        from vllm_graph_sleep.deep_sleep_http import DeepSleepEndpoints
+
+        self.engine = engine
+        self.gates: dict[str, asyncio.Event] = {}
+        self.stalled_bodies: set[str] = set()
+        self.answers: dict[str, int] = {}
+        self.headers: dict[str, dict[str, str]] = {}
+        self.on_answer = lambda path: None
+        self.middleware = DeepSleepEndpoints(self._vllm)
+        self._app = SimpleNamespace(state=SimpleNamespace(engine_client=engine, args=None))
+
+    async def _vllm(self, scope, receive, send):
+        await receive()
+        path = scope["path"]
+        if path in self.gates:
+            await self.gates[path].wait()
+        if path == "/sleep":
+            await self.engine.sleep(1, "abort")
+        self.on_answer(path)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def post(self, path: str, query: bytes = b""):
+        import asyncio
+
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
+                 "query_string": query, "app": self._app, "headers": []}  # fmt: skip
+
+        async def receive():
+            if path in self.stalled_bodies:
+                await asyncio.Event().wait()  # never set
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                self.answers[path] = message["status"]
+                self.headers[path] = {k.decode(): v.decode() for k, v in message["headers"]}
+
+        return asyncio.ensure_future(self.middleware(scope, receive, send))
+
+
 def test_a_post_admitted_as_the_first_deep_sleep_stops_waiting_is_waited_for(
     engine_pid, monkeypatch
 ):
@@ -594,65 +645,62 @@ def test_a_post_admitted_as_the_first_deep_sleep_stops_waiting_is_waited_for(
     checkpointed), and reaches no checkpointed engine."""
     import asyncio
 
-    from vllm_graph_sleep.deep_sleep_http import DeepSleepEndpoints
+    deep, lib = controller(engine_pid)
+    monkeypatch.setattr(DeepSleep, "load", classmethod(lambda cls: deep))
+    posts = AsgiPosts(EngineWithCore(engine_pid))
+    reached = []
+    posts.on_answer = lambda path: (
+        path == "/later" and reached.append(lib.states.get(engine_pid, "running"))
+    )
 
+    async def main():
+        posts.gates = {"/earlier": asyncio.Event(), "/later": asyncio.Event()}
+        earlier = posts.post("/earlier")
+        await asyncio.sleep(0.01)
+        sleep = posts.post("/sleep", b"level=1&checkpoint=1")
+        await asyncio.sleep(0.01)
+        assert not sleep.done()  # it waits for /earlier
+        posts.gates["/earlier"].set()
+        later = posts.post("/later")  # in the same turn as /earlier's answer
+        posts.gates["/later"].set()
+        await asyncio.gather(earlier, sleep, later)
+
+    asyncio.run(main())
+    assert posts.answers == {"/earlier": 200, "/sleep": 200, "/later": 409}
+    assert reached == [] and lib.states[engine_pid] == "checkpointed"
+
+
+def test_a_deep_sleep_behind_a_post_that_never_ends_answers_503_and_the_wake_still_runs(
+    engine_pid, monkeypatch
+):
+    """A client that never finishes its request's body holds that POST: the
+    deep sleep waits for it only so long (deep_sleep_http.OTHERS_WAIT_S), then
+    answers 503 with Retry-After, nothing done, and a wake behind it runs."""
+    import asyncio
+
+    from vllm_graph_sleep import deep_sleep_http
+
+    monkeypatch.setattr(deep_sleep_http, "OTHERS_WAIT_S", 0.3)
     deep, lib = controller(engine_pid)
     monkeypatch.setattr(DeepSleep, "load", classmethod(lambda cls: deep))
     engine = EngineWithCore(engine_pid)
-    reached = []
+    posts = AsgiPosts(engine)
+    posts.stalled_bodies = {"/tokenize"}
 
     async def main():
-        earlier_done, later_done = asyncio.Event(), asyncio.Event()
-
-        async def vllm(scope, receive, send):
-            if scope["path"] == "/earlier":
-                await earlier_done.wait()
-            elif scope["path"] == "/later":
-                await later_done.wait()
-                reached.append(lib.states.get(engine_pid, "running"))
-            elif scope["path"] == "/sleep":
-                await engine.sleep(1, "abort")
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"{}"})
-
-        middleware = DeepSleepEndpoints(vllm)
-        app = SimpleNamespace(state=SimpleNamespace(engine_client=engine, args=None))
-        answers: dict[str, int] = {}
-
-        def post(path, query=b""):
-            scope = {
-                "type": "http",
-                "method": "POST",
-                "path": path,
-                "root_path": "",
-                "query_string": query,
-                "app": app,
-                "headers": [],
-            }
-
-            async def receive():
-                return {"type": "http.request", "body": b"", "more_body": False}
-
-            async def send(message):
-                if message["type"] == "http.response.start":
-                    answers[path] = message["status"]
-
-            return asyncio.ensure_future(middleware(scope, receive, send))
-
-        earlier = post("/earlier")
+        stalled = posts.post("/tokenize")
         await asyncio.sleep(0.01)
-        sleep = post("/sleep", b"level=1&checkpoint=1")
+        sleep = posts.post("/sleep", b"level=1&checkpoint=1")
         await asyncio.sleep(0.01)
-        assert not sleep.done()  # it waits for /earlier
-        earlier_done.set()
-        later = post("/later")  # in the same turn as /earlier's answer
-        later_done.set()
-        await asyncio.gather(earlier, sleep, later)
-        return answers
+        wake = posts.post("/wake_up")
+        done, _ = await asyncio.wait([sleep, wake], timeout=5)
+        stalled.cancel()
+        return len(done)
 
-    answers = asyncio.run(main())
-    assert answers == {"/earlier": 200, "/sleep": 200, "/later": 409}
-    assert reached == [] and lib.states[engine_pid] == "checkpointed"
+    assert asyncio.run(main()) == 2
+    assert posts.answers == {"/sleep": 503, "/wake_up": 200}
+    assert posts.headers["/sleep"].get("retry-after") == str(deep_sleep_http.RETRY_AFTER_S)
+    assert ("sleep", 1, "abort") not in engine.calls and engine_pid not in lib.states
 
 
 def test_a_second_deep_sleep_during_the_first_gets_409(engine_pid, monkeypatch):

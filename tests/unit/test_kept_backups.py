@@ -224,6 +224,25 @@ def test_a_failed_sleep_leaves_nothing_trusted_and_the_next_copies_all(layers, f
     check_exact(driver, addresses, expected)
 
 
+def test_a_sleep_failing_before_its_backup_reports_nothing_copied_or_kept(layers):
+    """A sticky CUDA error in the sleep's first steps (torch's cache release):
+    the ledger must not go on reporting the sleep before's counts."""
+    driver, manager, addresses = layers
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    assert manager.last_backup().kept == {"weights": 4 * LAYER}
+
+    def sticky_error():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    driver.release_cached_memory = sticky_error
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {} and manager.last_backup().kept == {}
+
+
 def test_graph_pool_ranges_that_changed_are_copied_whole():
     driver = FakeVmmDriver(capacity=1 << 30)
     manager = GraphSleepAllocator(driver)
