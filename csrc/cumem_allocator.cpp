@@ -53,6 +53,9 @@ struct Allocation {
   // for a ROCm allocation asleep whose placeholder could not be had; wake then
   // reserves the range again.
   bool range_held = true;
+  // Whether that reservation is an empty placeholder (kPlaceholderWhileAsleep):
+  // it holds no VRAM, where one that had memory mapped under it may on ROCm.
+  bool placeholder = false;
   // The run whose mapping backs this range while the run lives (map_run), and
   // this range's place in it; its own `physical` is then unused.
   Run* run = nullptr;
@@ -103,6 +106,7 @@ struct HeldRange {
   PhysicalHandle physical{};
   ArenaChunk* chunk = nullptr;
   bool range_held = true;
+  bool placeholder = false;  // as Allocation::placeholder
   bool mapped = true;
   bool physical_held = true;
   HeldRange* next = nullptr;
@@ -209,7 +213,7 @@ void hold_with_placeholder(int device, uint64_t address, size_t size, Allocation
     report(context);
     return;
   }
-  allocation->range_held = reclaim_address(device, address, size);
+  allocation->range_held = allocation->placeholder = reclaim_address(device, address, size);
   if (!allocation->range_held) {
     std::snprintf(context, sizeof(context),
                   "sleep of 0x%" PRIx64 " holds no placeholder; wake will reserve it again",
@@ -458,6 +462,7 @@ bool create_and_map(int device, size_t size, uint64_t address, Allocation* alloc
     return false;
   }
   allocation->physical = physical;
+  allocation->placeholder = false;  // memory is mapped under it now
   return true;
 }
 
@@ -521,11 +526,12 @@ bool give_back_held(HeldRange* range) {
 }
 
 // Whether a held range still costs device memory: its mapping or physical
-// memory, or on ROCm its reservation alone (kPlaceholderWhileAsleep: ROCm keeps
-// the VRAM charged while the reservation lives); on CUDA a range alone is
-// address space.
+// memory, or on ROCm a reservation alone that had memory mapped under it
+// (kPlaceholderWhileAsleep: ROCm keeps that VRAM charged while the reservation
+// lives), not an empty placeholder; on CUDA a range alone is address space.
 bool holds_device_memory(const HeldRange& range) {
-  return range.mapped || range.physical_held || (kPlaceholderWhileAsleep && range.range_held);
+  return range.mapped || range.physical_held ||
+         (kPlaceholderWhileAsleep && range.range_held && !range.placeholder);
 }
 
 // Device bytes that refused frees left: of each such run what no range in
@@ -811,6 +817,7 @@ GRAPH_SLEEP_EXPORT void my_free(void* ptr, ssize_t /*size*/, int device, StreamH
   refused.physical = order.allocation->physical;
   refused.chunk = order.allocation->chunk;
   refused.range_held = order.allocation->range_held;
+  refused.placeholder = order.allocation->placeholder;
   refused.mapped = refused.physical_held = order.mapped;
   if (succeeded(bind_device(device))) {
     if (refused.mapped && succeeded(unmap_physical(address, order.size))) {

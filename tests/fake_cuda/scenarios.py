@@ -346,6 +346,14 @@ def rocm_a_reservation_whose_free_was_refused_is_tried_again(fake: Fake, alloc: 
     assert alloc.ext.held_bytes() == 8 * MIB
     assert alloc.ext.retry_held() == 8 * MIB
     assert alloc.ext.held_bytes() == 0 and alloc.ext.retry_held() == 0
+    # Freed asleep, the range is an empty placeholder: a refused free of it
+    # holds no VRAM, and nothing is counted (the retry still gives it back).
+    address = alloc.malloc(8 * MIB)
+    alloc.sleep(address)
+    alloc.lib.hip_shim_refuse_next_address_free()
+    alloc.free(address)
+    assert alloc.ext.held_bytes() == 0
+    assert alloc.ext.retry_held() == 0 and alloc.ext.last_error() == ""
 
 
 if __name__ == "__main__":

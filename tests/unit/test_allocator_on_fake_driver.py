@@ -49,6 +49,7 @@ EXPECTED_REPORTS = {
     ],
     "rocm_a_reservation_whose_free_was_refused_is_tried_again": [
         r"my_free: hipMemAddressFree failed: out of memory",
+        r"my_free: hipMemAddressFree failed: out of memory",
     ],
 }
 
