@@ -235,6 +235,38 @@ def test_a_module_looked_up_before_its_import_still_comes_back_patched():
     assert _report_of(_FOUND_FIRST) == {"found": True, "patched": True}
 
 
+def test_a_module_whose_patch_failed_is_patched_again_at_its_next_import(tmp_path, monkeypatch):
+    """A patch that raises (IncompatibleVllmError) fails that import; a later
+    import of the module (a retry, or a caller that caught the error) must
+    not get it unpatched, with no error."""
+    import importlib
+    import sys
+
+    from vllm_graph_sleep import patches
+    from vllm_graph_sleep.patches._wrap import IncompatibleVllmError
+
+    target = "graph_sleep_probe_target"
+    (tmp_path / f"{target}.py").write_text("patched = False\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls = []
+
+    def apply(name):
+        calls.append(name)
+        if len(calls) == 1:
+            raise IncompatibleVllmError(f"{target}.thing not found in vLLM 0.0")
+        sys.modules[target].patched = True
+
+    monkeypatch.setattr(patches, "apply", apply)
+    finder = patches._PatchOnImport({target: ["probe"]})
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    with pytest.raises(IncompatibleVllmError):
+        importlib.import_module(target)
+    assert target not in sys.modules and finder.waiting == {target: ["probe"]}
+    module = importlib.import_module(target)
+    monkeypatch.delitem(sys.modules, target)
+    assert module.patched and calls == ["probe", "probe"] and finder.waiting == {}
+
+
 def test_require_counts_none_as_missing_unless_told_a_global_may_be_unset(monkeypatch):
     from types import SimpleNamespace
 

@@ -61,7 +61,9 @@ def apply(name: str) -> None:
 
 class _ApplyAfterExec(importlib.abc.Loader):
     """Runs the real loader, then the patches of the module it just executed,
-    which from then on no longer wait (`applied`)."""
+    which from then on no longer wait (`applied`). A patch that raises leaves
+    the module waiting: Python drops the half-imported module, and the next
+    import of it must not get it unpatched."""
 
     def __init__(
         self, loader: importlib.abc.Loader, patches: Sequence[str], applied: Callable[[], None]
@@ -75,9 +77,9 @@ class _ApplyAfterExec(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        self._applied()
         for name in self._patches:
             apply(name)
+        self._applied()
 
     def __getattr__(self, attribute: str):
         # get_source, get_code, is_package, ...: what inspect and pickle ask a loader.
