@@ -58,6 +58,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _decode_tokens(text: str) -> int:
+    # Decode speed is (tokens - 1) / time after the first token: one token has none.
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, not {value}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -140,7 +148,7 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--decode-tokens",
-        type=_positive_int,
+        type=_decode_tokens,
         default=BenchSettings.decode_tokens,
         help="tokens of the single-stream decode measurement (default %(default)s)",
     )

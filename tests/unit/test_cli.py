@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -136,6 +137,7 @@ def test_bench_lists_take_commas_and_spaces_keep_order_and_drop_repeats(tmp_path
         (["--start-timeout", "-5"], "must be a number of seconds above 0"),
         (["--start-timeout", "nan"], "must be a number of seconds above 0"),
         (["--start-timeout", "inf"], "must be a number of seconds above 0"),
+        (["--decode-tokens", "1"], "must be at least 2"),
     ],
 )
 def test_bench_rejects_bad_arguments(argv, complaint, capsys):
@@ -774,6 +776,58 @@ def test_the_warm_up_and_a_model_made_on_the_cpu_run_beside_the_floor_without_a_
     results = json.loads((out / "results.json").read_text())
     assert results["model"] == str((tmp_path / "cache" / "llama").resolve())
     assert results["model_info_warm"] == "done" and "error" not in results["floor"]
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is not running
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("stop", ["interrupt", "floor_fails"])
+def test_a_bench_stopped_before_its_first_server_leaves_no_child_running(
+    fake_bench, monkeypatch, tmp_path, stop
+):
+    """SIGTERM (a KeyboardInterrupt in bench) or a failure while the floor is
+    measured: the model's maker (a large kind draws on the GPU) and the
+    model-info warm-up must not outlive the run."""
+    argv, _ = fake_bench
+    at = argv.index("--model")
+    argv = [*argv[:at], "--cache-dir", str(tmp_path / "cache"), *argv[at + 2 :]]
+    pids = {name: tmp_path / f"{name}.pid" for name in ("model", "warm-up")}
+
+    def sleeps(path):
+        writes_pid = f"pathlib.Path({str(path)!r}).write_text(str(os.getpid()))"
+        return f"import os, pathlib, time; {writes_pid}; time.sleep(60)"
+
+    monkeypatch.setattr(
+        runner, "model_command", lambda kind, target: [sys.executable, "-c", sleeps(pids["model"])]
+    )
+    monkeypatch.setattr(model_info, "_INSPECT", sleeps(pids["warm-up"]))
+
+    def floor_measure(memory, env=None):
+        deadline = time.monotonic() + 30
+        while not all(p.exists() and p.read_text() for p in pids.values()):
+            assert time.monotonic() < deadline, "the children did not start"
+            time.sleep(0.05)
+        if stop == "interrupt":
+            raise KeyboardInterrupt
+        raise runner.BenchError("the floor's child failed")
+
+    monkeypatch.setattr(floor, "measure", floor_measure)
+    try:
+        assert cli.main(argv) != 0
+        assert {name: _running(int(p.read_text())) for name, p in pids.items()} == {
+            "model": False,
+            "warm-up": False,
+        }
+    finally:
+        for path in pids.values():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(path.read_text()), signal.SIGKILL)
 
 
 def test_the_bench_warms_the_models_architecture_before_the_first_server(fake_bench, monkeypatch):

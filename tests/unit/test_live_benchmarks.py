@@ -496,3 +496,18 @@ def test_without_gpu_exit_2_with_one_line(tmp_path, script):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "nothing to run" in lines[0], result.stderr
     assert not (tmp_path / "o.json").exists()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "nan"])
+def test_a_live_benchmark_refuses_a_timeout_that_would_set_no_limit(timeout, capsys):
+    """--timeout 0 set no timer at all (setitimer's 0 turns it off), and -1
+    raised a traceback from setitimer."""
+    import argparse
+
+    from vllm_graph_sleep.bench import live
+
+    parser = argparse.ArgumentParser()
+    live.add_arguments(parser, default_timeout=60)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--out", "o.json", "--timeout", timeout])
+    assert "must be a number of seconds above 0" in capsys.readouterr().err

@@ -76,6 +76,14 @@ def start(architecture: str | None, env: dict[str, str]) -> subprocess.Popen | N
     )
 
 
+def stop(child: subprocess.Popen | None) -> None:
+    """Stops the warm-up, if it still runs (a run that stops early)."""
+    if child is not None and child.poll() is None:
+        child.kill()
+    if child is not None:
+        child.wait()
+
+
 def finish(child: subprocess.Popen | None, wait_s: float = WAIT_S) -> str:
     """Waits for the warm-up; says how it ended, for the progress line."""
     if child is None:

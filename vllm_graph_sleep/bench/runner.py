@@ -160,7 +160,11 @@ class MadeInAChild:
 
     def finish(self) -> None:
         """Waits for the model; BenchError with the child's last line if it failed."""
-        code = self._process.wait()
+        try:
+            code = self._process.wait()
+        except BaseException:  # an interrupt while waiting: the child goes too
+            self.kill()
+            raise
         self._output.seek(0)
         text = self._output.read().decode(errors="replace")
         self._output.close()
@@ -170,6 +174,13 @@ class MadeInAChild:
                 f"making the {self.kind} model failed (exit {code}): "
                 + (lines[-1] if lines else "no output")
             )
+
+    def kill(self) -> None:
+        """Stops the child (a run that stops early): a large kind holds the GPU."""
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        self._output.close()
 
 
 def _version(package: str) -> str | None:
@@ -246,14 +257,20 @@ def run(
     # drawn on the GPU, after the floor.
     warming = model_info.start(_architecture(settings), server_env(env))
     early = None
-    if making and made_on_the_cpu(settings.model_kind):
-        early = start_model(settings, progress, env)
-    measured_floor = None
-    if settings.floor:
-        progress(f"measuring the floor: {floor.WHAT}")
-        measured_floor = floor.measure(memory, server_env(env))
-    model = resolve_model(settings, progress, early, env)
-    warmed = model_info.finish(warming)
+    try:
+        if making and made_on_the_cpu(settings.model_kind):
+            early = start_model(settings, progress, env)
+        measured_floor = None
+        if settings.floor:
+            progress(f"measuring the floor: {floor.WHAT}")
+            measured_floor = floor.measure(memory, server_env(env))
+        model = resolve_model(settings, progress, early, env)
+        warmed = model_info.finish(warming)
+    except BaseException:  # an interrupt or a failure before any server: no child stays
+        if early is not None:
+            early.kill()
+        model_info.stop(warming)
+        raise
     progress(f"vLLM's model-info cache warmed: {warmed}")
     results: dict[str, Any] = {
         "schema": SCHEMA,
