@@ -6,7 +6,10 @@ It registers our sleep-mode backend and installs the patches listed in
 `vllm_graph_sleep.patches`, each applied when its vLLM module is imported in
 that process (so the API server does not import the GPU worker, nor a worker
 the HTTP routes); each patch calls straight through to vLLM unless
-`--sleep-mode-offload-cudagraph` is active in that process.
+`--sleep-mode-offload-cudagraph` is active in that process. One exception, on
+or off: with VLLM_USE_BREAKABLE_CUDAGRAPH=1, the worker's init_device makes
+the attention ops imported before it was set vLLM's break points
+(breakable_order.py, docs/user-guide.md), as vLLM would had it been set first.
 """
 
 _registered = False

@@ -267,6 +267,27 @@ def test_a_module_whose_patch_failed_is_patched_again_at_its_next_import(tmp_pat
     assert module.patched and calls == ["probe", "probe"] and finder.waiting == {}
 
 
+def test_a_vllm_with_its_own_offload_field_is_refused_naming_it(monkeypatch):
+    """vLLM is expected to gain a field of this name (0.33+): our __init__
+    would take its keyword and our option hide its own, silently."""
+    import dataclasses
+
+    from vllm.engine import arg_utils
+
+    from vllm_graph_sleep.patches import engine_arg_utils
+    from vllm_graph_sleep.patches._wrap import IncompatibleVllmError
+
+    @dataclasses.dataclass
+    class EngineArgsWithTheField:
+        sleep_mode_offload_cudagraph: bool = False
+
+    monkeypatch.setattr(arg_utils, "EngineArgs", EngineArgsWithTheField)
+    with pytest.raises(
+        IncompatibleVllmError, match=r"EngineArgs has a field sleep_mode_offload_cudagraph"
+    ):
+        engine_arg_utils.apply()
+
+
 def test_require_counts_none_as_missing_unless_told_a_global_may_be_unset(monkeypatch):
     from types import SimpleNamespace
 

@@ -22,7 +22,8 @@ import argparse
 from typing import Any
 
 from vllm_graph_sleep import config
-from vllm_graph_sleep.patches._wrap import wrap_function
+from vllm_graph_sleep.patches._wrap import IncompatibleVllmError, wrap_function
+from vllm_graph_sleep.vllm_version import VERIFIED_VLLM, vllm_version
 
 WHERE = "vllm.engine.arg_utils"
 CLI_OPTION = "--sleep-mode-offload-cudagraph"
@@ -83,8 +84,17 @@ def _wrap_init(original):
 
 
 def apply() -> None:
+    import dataclasses
+
     from vllm.engine import arg_utils
 
+    # A vLLM with a field of its own by this name (expected in 0.33+) would have
+    # its keyword taken by our __init__ and its option hidden behind ours.
+    if any(f.name == config.FLAG for f in dataclasses.fields(arg_utils.EngineArgs)):
+        raise IncompatibleVllmError(
+            f"vllm-graph-sleep: {WHERE}.EngineArgs has a field {config.FLAG} of its own in "
+            f"vLLM {vllm_version()} (verified against {VERIFIED_VLLM}, which has none)"
+        )
     wrap_function(arg_utils.EngineArgs, "add_cli_args", _wrap_add_cli_args, where=WHERE)
     wrap_function(arg_utils.EngineArgs, "from_cli_args", _wrap_from_cli_args, where=WHERE)
     for cls in (arg_utils.EngineArgs, arg_utils.AsyncEngineArgs):
