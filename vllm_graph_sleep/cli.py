@@ -11,14 +11,20 @@ arguments) end with one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_graph_sleep.bench.settings import ALL_CONFIGS, CONFIGS, LEVELS, WAKES, BenchSettings
+from vllm_graph_sleep.bench.settings import (
+    ALL_CONFIGS,
+    CONFIGS,
+    LEVELS,
+    WAKES,
+    BenchSettings,
+    positive_seconds,
+)
 
 PROG = "vllm-graph-sleep"
 EXIT_FAILED = 1
@@ -70,13 +76,6 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:  # nan fails this too
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
     return value
 
 
@@ -154,7 +153,7 @@ def bench_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--start-timeout",
-        type=_positive_seconds,
+        type=positive_seconds,
         default=BenchSettings.start_timeout,
         help="seconds a server may take to answer /health (default %(default)s)",
     )

@@ -31,6 +31,7 @@ from vllm_graph_sleep.bench.server import (
     serve_command,
     server_env,
 )
+from vllm_graph_sleep.bench.settings import positive_seconds
 from vllm_graph_sleep.units import MiB
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -238,14 +239,6 @@ def reference_tokens(
     return reference, again
 
 
-def _seconds(text: str) -> float:
-    # time_limit's timer: 0 would set none, and a negative one is refused by setitimer.
-    value = float(text)
-    if not 0 < value < float("inf"):  # nan fails this too
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser, default_timeout: float) -> None:
     """The options both live-server benchmarks take."""
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
@@ -262,7 +255,7 @@ def add_arguments(parser: argparse.ArgumentParser, default_timeout: float) -> No
     parser.add_argument("--max-tokens", type=int, default=16, help="greedy tokens per prompt")
     parser.add_argument(
         "--timeout",
-        type=_seconds,
+        type=positive_seconds,
         default=default_timeout,
         help="seconds for the whole run, engine start included; then the server is "
         "stopped and what was measured is written (default: %(default)s)",

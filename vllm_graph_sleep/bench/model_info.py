@@ -77,11 +77,13 @@ def start(architecture: str | None, env: dict[str, str]) -> subprocess.Popen | N
 
 
 def stop(child: subprocess.Popen | None) -> None:
-    """Stops the warm-up, if it still runs (a run that stops early)."""
-    if child is not None and child.poll() is None:
+    """Stops the warm-up, if it still runs (a run that stops early, or one
+    that outlived its wait)."""
+    if child is None:
+        return
+    if child.poll() is None:
         child.kill()
-    if child is not None:
-        child.wait()
+    child.wait()
 
 
 def finish(child: subprocess.Popen | None, wait_s: float = WAIT_S) -> str:
@@ -91,8 +93,7 @@ def finish(child: subprocess.Popen | None, wait_s: float = WAIT_S) -> str:
     try:
         code = child.wait(timeout=wait_s)
     except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+        stop(child)
         return f"not done after {wait_s:.0f} s (stopped; the first server inspects the model)"
     if code == 0:
         return "done"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import math
 from pathlib import Path
 
 CONFIGS = ("ours", "stock_graphs", "stock_eager")
@@ -22,6 +24,15 @@ PROMPTS = (
 )
 #: The single-stream decode measurement continues this one.
 DECODE_PROMPT = "Once upon a time, in a small village by the sea,"
+
+
+def positive_seconds(text: str) -> float:
+    """An option's seconds (argparse type): above 0 and finite. A time limit of
+    0 would set no timer (setitimer), and nan passes no comparison."""
+    value = float(text)
+    if not 0 < value < math.inf:  # nan fails this too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
 
 
 def made_on_the_cpu(kind: str) -> bool:
