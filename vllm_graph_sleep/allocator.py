@@ -58,6 +58,7 @@ from vllm_graph_sleep.memory.backups import (
     BackupCount,
     Backups,
     FillPolicy,
+    back_up_ahead,
     resolve_coding,
     resolve_keeping,
 )
@@ -349,6 +350,13 @@ class GraphSleepAllocator:
         fingerprints', the coder's), those the switches turn on."""
         self._backups.prepare_kernels(device)
 
+    def back_up_ahead(self, tags: Sequence[str]) -> BackupCount | None:
+        """`memory.backups.back_up_ahead` of `tags` where it would be kept, else None."""
+        selected = self._router.normalize(tags, "back_up_ahead")
+        awake = [a for a in self.table.live() if a.mapped and a.tag in selected]
+        kept = self._backups.keep_unchanged and not self.release_host_memory
+        return back_up_ahead(self._backups, awake, self._live_ranges()) if kept else None
+
     def claim_graph_pool(self) -> None:
         """Tags everything in the graph pool "cudagraph", whatever tag was current
         when it was allocated (a capture outside `cudagraph_pool()`, e.g. a lazy
@@ -356,17 +364,12 @@ class GraphSleepAllocator:
         self.table.retag({s["address"] for s in self._router.graph_pool_segments()}, GRAPH_TAG)
 
     def release_pools(self) -> None:
-        """Engine shutdown: drops the graph pool (a next engine in this process
-        gets a new one) and has torch hand back every free segment of ours.
-        Allocations still alive afterwards belong to tensors someone holds.
-
-        torch's workspaces go too: one made in this graph pool would otherwise
-        outlive it, and a next engine capturing on the same (pooled) stream
-        would use it from a segment nobody sleeps, or that is unmapped once
-        torch frees it.
-
-        An engine shut down asleep stops its settle thread and gets its stack
-        limit back here: a next engine starts with the context's stack."""
+        """Engine shutdown: drops the graph pool (a next engine gets a new one),
+        torch's workspaces (one made in the pool would outlive it, and a next
+        engine capturing on the same pooled stream would use it from a segment
+        nobody sleeps) and every free segment of ours; stops the settle thread
+        and gives the stack limit back (a next engine starts with the
+        context's). Allocations still alive then belong to tensors someone holds."""
         if self._settler is not None:
             self._settler.stop()
         self._stack.shut_down()
@@ -428,9 +431,7 @@ class GraphSleepAllocator:
         to_drop = [allocation for allocation in awake if allocation.tag not in offload]
         early, to_drop = self._kv_cache_release.split(to_back_up, to_drop, kv_cache_cleared)
         try:
-            live = self._backups.live_ranges(
-                self._router.graph_pool_segments(), self._workspaces.blocks()
-            )
+            live = self._live_ranges()
             self._last_backup = self._backups.back_up(to_back_up, live, clock, early.start)
         except BaseException as error:  # a KeyboardInterrupt too: the KV cache comes back
             undone = early.undo(self._backups)
@@ -477,6 +478,10 @@ class GraphSleepAllocator:
             self._settler.start(
                 {a.device for a in (*released, *early.allocations, *to_drop) if not a.mapped}
             )
+
+    def _live_ranges(self) -> dict[int, list[tuple[int, int]]]:
+        segments, blocks = self._router.graph_pool_segments(), self._workspaces.blocks()
+        return self._backups.live_ranges(segments, blocks)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Maps back the sleeping allocations of `tags` (None: all) and of every

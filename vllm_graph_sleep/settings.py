@@ -157,6 +157,12 @@ KEEP_UNCHANGED_BACKUPS = Switch(
     yes_no,
     "a sleep copies again only the 1 MiB blocks changed since the backup it kept (fingerprints)",
 )
+BACK_UP_AT_START = Switch(
+    PREFIX + "BACK_UP_AT_START",
+    "unset: on where backups are kept",
+    yes_no,
+    "no: leave the weights' first backup to the first sleep (yes pins and fills it at start)",
+)
 WHOLE_GRAPH_POOL_BACKUP = Switch(
     PREFIX + "BACK_UP_WHOLE_GRAPH_POOL",
     "unset: live blocks only",
@@ -207,6 +213,7 @@ SWITCHES: tuple[Switch, ...] = (
     SETTLE_AFTER_SLEEP,
     COMPRESS_BACKUPS,
     KEEP_UNCHANGED_BACKUPS,
+    BACK_UP_AT_START,
     WHOLE_GRAPH_POOL_BACKUP,
     HOST_BUFFERS,
     POISON_GRAPH_SCRATCH,
@@ -315,6 +322,7 @@ class AllocatorSettings:
     settle_after_sleep: bool = True
     compress_backups: bool | None = None
     keep_unchanged_backups: bool | None = None
+    back_up_at_start: bool = True
     whole_graph_pool_backup: bool = False
     host_buffers: str = REGISTERED_HOST_BUFFERS
     poison_graph_scratch: bool = False
@@ -333,6 +341,7 @@ class AllocatorSettings:
             settle_after_sleep=SETTLE_AFTER_SLEEP.read(environ) is not False,
             compress_backups=COMPRESS_BACKUPS.read(environ),
             keep_unchanged_backups=KEEP_UNCHANGED_BACKUPS.read(environ),
+            back_up_at_start=BACK_UP_AT_START.read(environ) is not False,
             whole_graph_pool_backup=bool(WHOLE_GRAPH_POOL_BACKUP.read(environ)),
             poison_graph_scratch=bool(POISON_GRAPH_SCRATCH.read(environ)),
             poison_remapped=bool(POISON_REMAPPED.read(environ)),
@@ -368,6 +377,7 @@ _ALLOCATOR_SWITCHES = {
     "settle_after_sleep": SETTLE_AFTER_SLEEP,
     "compress_backups": COMPRESS_BACKUPS,
     "keep_unchanged_backups": KEEP_UNCHANGED_BACKUPS,
+    "back_up_at_start": BACK_UP_AT_START,
     "whole_graph_pool_backup": WHOLE_GRAPH_POOL_BACKUP,
     "poison_graph_scratch": POISON_GRAPH_SCRATCH,
     "poison_remapped": POISON_REMAPPED,

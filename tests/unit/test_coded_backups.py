@@ -534,3 +534,20 @@ def test_a_target_torch_frees_between_the_wakes_phases_is_left_alone(monkeypatch
     assert doomed not in manager.allocations and doomed not in driver.memory
     assert kv in driver.memory and torch.equal(driver.memory[weights], expected)
     assert manager.all_mapped_bytes() == driver.mapped_bytes() == 2 * SIZE
+
+
+def test_weights_coded_ahead_are_neither_coded_nor_copied_again_at_the_first_sleep(caplog):
+    """The backup the worker makes once warm-up is done (back_up_ahead) is the
+    coded one a sleep would make: the first sleep keeps it whole."""
+    driver, manager, weights = coded_weights(seed=11)
+    expected = driver.memory[weights].clone()
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        manager.back_up_ahead(("weights",))
+    coded = manager.allocations[weights].coded
+    assert coded is not None and all(piece.coded is not None for piece in coded.pieces)
+    assert re.search(r"backed up weights 2.00 MiB ahead \(weights coded: 2.00 MiB in", caplog.text)
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 0}
+    assert manager.allocations[weights].coded is coded  # the same pieces, not coded again
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)

@@ -17,7 +17,7 @@ import torch
 from vllm_graph_sleep.memory import fingerprints as blocks_of
 from vllm_graph_sleep.memory.mapping import WakeMapper
 from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
-from vllm_graph_sleep.memory.report import PhaseClock
+from vllm_graph_sleep.memory.report import PhaseClock, coded_note, describe
 from vllm_graph_sleep.settings import COMPRESS_BACKUPS, KEEP_UNCHANGED_BACKUPS
 from vllm_graph_sleep.units import format_bytes
 
@@ -594,3 +594,48 @@ class Backups:
                 logger.warning(
                     "graph-sleep: %s could not wait for device %d: %s", who, device, error
                 )
+
+
+def back_up_ahead(
+    backups: Backups, awake: list[Allocation], live: dict[int, list[tuple[int, int]]]
+) -> BackupCount | None:
+    """Backs up `awake` (mapped allocations) now, as a sleep would, and leaves
+    them mapped with their backups kept as a wake keeps them (host buffers,
+    fingerprints, coded pieces): the next sleep copies only what changed
+    since. The worker has it done for the weights once the engine has warmed
+    up, so that the first sleep neither pins its host buffers nor codes
+    weights that did not change (issue 38; of lease 23's first sleep of the
+    bench's Llama, 130 ms in the allocator, pinning took 62.8 ms and coding
+    55.3: docs/results/sleep-speed-h100.md).
+
+    The caller makes it only where the backups are kept (keep_unchanged, and
+    host memory not given back at each wake). None where the backup fails: an
+    optimization must not stop the engine, so that is logged, the host
+    buffers are given back, and the first sleep backs everything up as before."""
+    what = describe(_bytes_by_tag(awake))
+    clock = PhaseClock()
+    try:
+        count = backups.back_up(awake, live, clock)
+    except Exception as error:  # noqa: BLE001 - whatever the backup raised
+        backups.give_back_host_buffers(awake)
+        logger.warning(
+            "graph-sleep: backing up %s ahead failed (%s); the first sleep backs it up", what, error
+        )
+        return None
+    for allocation in awake:
+        allocation.has_backup = False  # awake: a backup kept, as after a wake
+    if awake:
+        logger.info(
+            "graph-sleep: backed up %s ahead%s; a sleep copies only what changes from now on; %s",
+            what,
+            coded_note(awake),
+            clock.summary(),
+        )
+    return count
+
+
+def _bytes_by_tag(allocations: list[Allocation]) -> dict[str, int]:
+    per_tag: dict[str, int] = {}
+    for allocation in allocations:
+        add(per_tag, allocation.tag, allocation.size)
+    return per_tag

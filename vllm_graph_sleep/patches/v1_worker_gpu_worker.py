@@ -21,6 +21,10 @@ gate is on in this worker, this patch
   and compiles the backup kernels before it (the fingerprints and the coder:
   GraphSleepAllocator.prepare_backup_kernels), so that neither the first
   sleep nor vLLM's JIT monitor sees Triton compile;
+- once warm-up is done, backs the weights up ahead
+  (GraphSleepAllocator.back_up_ahead), so that the first sleep copies only
+  what changed since instead of pinning its buffers and coding every weight
+  (VLLM_GRAPH_SLEEP_BACK_UP_AT_START=0 leaves that to the first sleep);
 - turns the "kv_cache" pool that initialize_from_config opens around
   initialize_kv_cache into a "runtime" pool, backed up at every level: the
   attention metadata, block tables and graph input buffers built there must
@@ -221,7 +225,10 @@ def _wrap_compile_or_warm_up_model(original):
         # Before the original, which turns vLLM's JIT monitor on when it is done.
         allocator.prepare_backup_kernels(self.device)
         with allocator.allocation_tag(GRAPH_TAG), expandable_segments_off():
-            return original(self, *args, **kwargs)
+            result = original(self, *args, **kwargs)
+        if allocator.settings.back_up_at_start:
+            allocator.back_up_ahead((WEIGHTS_TAG,))
+        return result
 
     return compile_or_warm_up_model
 

@@ -1453,6 +1453,39 @@ def test_a_flipped_bit_in_a_kept_backup_is_copied_again_and_the_wake_is_exact(
 
 @fresh_process
 @pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
+def test_a_backup_made_ahead_is_kept_by_the_first_sleep_and_the_wake_is_exact(coded):
+    """Issue 38 on a real GPU: the backup the worker makes once warm-up is
+    done (back_up_ahead) leaves the weights mapped and untouched, and the
+    first sleep keeps it whole; a bit flipped after it is copied again."""
+    from vllm_graph_sleep.coded_backup import PIECE_BYTES
+    from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES
+
+    alloc = manager()
+    alloc.compress_backups = coded
+    generator = torch.Generator("cuda").manual_seed(3)
+    source = (torch.randn(64 * MIB, generator=generator, device="cuda") * 0.02).to(torch.bfloat16)
+    with alloc.use_memory_pool("weights"):
+        weights = [torch.empty_like(source) for _ in range(2)]  # 128 MiB each
+    for tensor in weights:
+        tensor.copy_(source)
+    size = allocation_of(alloc, weights[0]).backup_bytes()
+    assert alloc.back_up_ahead(("weights",)).copied == {"weights": 2 * size}
+    assert all(same_bits(tensor, source) for tensor in weights)
+    assert (allocation_of(alloc, weights[0]).coded is not None) == coded
+    weights[1].view(torch.int16)[7] ^= 0x0100  # one bit, after the backup
+    expected = [tensor.clone() for tensor in weights]
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.last_backup().copied == {"weights": PIECE_BYTES if coded else BLOCK_BYTES}
+    assert alloc.last_backup().kept == {
+        "weights": 2 * size - (PIECE_BYTES if coded else BLOCK_BYTES)
+    }
+    with poisoned_remaps(alloc):
+        alloc.wake_up()
+    assert all(same_bits(got, want) for got, want in zip(weights, expected, strict=True))
+
+
+@fresh_process
+@pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
 def test_after_a_level_2_sleep_and_a_reload_only_what_changed_is_copied(coded):
     """Issue 38 on a real GPU: a level-2 sleep keeps the host buffers (and
     their fingerprints) of the level-1 sleep before it; the wake maps the

@@ -2,7 +2,9 @@
 the weights, load new weights for a quarter of the layers through the model's
 own `load_weights`, wake the KV cache, generate; again. The tokens of every
 step must equal stock's doing the same loop, and each sleep after an update
-must copy about the bytes that update loaded (kept backups), not all weights.
+must copy about the bytes that update loaded (kept backups), not all weights;
+the first sleep, whose weights were backed up once the engine warmed up,
+almost nothing.
 """
 
 from __future__ import annotations
@@ -102,9 +104,11 @@ def test_a_loop_that_updates_a_quarter_of_the_layers_gives_stocks_tokens_and_cop
     for step, (got, want) in enumerate(zip(ours, stock, strict=True)):
         assert got == want, f"step {step}: ours and stock generate different tokens"
     assert ours[1] != ours[0]  # the update changed what the model generates
-    # The first sleep copies everything; each later one what the update before it loaded.
-    weights_bytes = backups[0]["copied"]["weights"]
-    assert backups[0]["kept"].get("weights", 0) == 0
+    # The weights were backed up once the engine warmed up (back_up_ahead): the
+    # first sleep copies no more than the slack; each later one what the update
+    # before it loaded.
+    weights_bytes = backups[0]["copied"]["weights"] + backups[0]["kept"]["weights"]
+    assert backups[0]["copied"]["weights"] <= SLACK, backups[0]
     for step in range(1, STEPS + 1):
         loaded = backups[step - 1]["loaded_next"]
         copied = backups[step]["copied"]["weights"]
