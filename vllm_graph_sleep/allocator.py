@@ -355,7 +355,7 @@ class GraphSleepAllocator:
         selected = self._router.normalize(tags, "back_up_ahead")
         awake = [a for a in self.table.live() if a.mapped and a.tag in selected]
         kept = self._backups.keep_unchanged and not self.release_host_memory
-        return back_up_ahead(self._backups, awake, self._live_ranges()) if kept else None
+        return back_up_ahead(self._backups, awake, self._live_ranges) if kept else None
 
     def claim_graph_pool(self) -> None:
         """Tags everything in the graph pool "cudagraph", whatever tag was current

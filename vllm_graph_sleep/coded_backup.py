@@ -61,6 +61,9 @@ class _Piece:
 class CodedBackup:
     table: Table
     pieces: list[_Piece]
+    # Left raw because the device had no memory for the coder (not because
+    # its pieces would not shrink): a backup made ahead is given up then.
+    short_of_memory: bool = False
 
     @functools.cached_property
     def lookup(self) -> torch.Tensor:
@@ -400,7 +403,12 @@ def back_up(
     still frees it; so is everything in a process whose coder failed its
     first use (`prepare`)."""
     device = allocations[0][0][0].device
-    return _code(allocations, device, coding=prepare(device), cuts=cuts)
+    ready = prepare(device)
+    backups = _code(allocations, device, coding=ready, cuts=cuts)
+    if not ready and _broken is None:  # the sample found no memory (`prepare`)
+        for backup in backups:
+            backup.short_of_memory = True
+    return backups
 
 
 def _code(
@@ -430,6 +438,7 @@ def _code(
     backups = []
     for number, (pairs, own) in enumerate(zip(allocations, pieces, strict=True)):
         backup, plans = _plan(pairs, own, number, None if coder is None else counts[number])
+        backup.short_of_memory = coding and coder is None
         backups.append(backup)
         if coder is not None:
             coder.add(backup, plans, pairs, range(len(own)))

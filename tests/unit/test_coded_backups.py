@@ -551,3 +551,41 @@ def test_weights_coded_ahead_are_neither_coded_nor_copied_again_at_the_first_sle
     assert manager.allocations[weights].coded is coded  # the same pieces, not coded again
     manager.wake_up()
     assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_backup_ahead_the_coder_had_no_memory_for_is_given_up(monkeypatch, caplog):
+    """At the end of warm-up the KV cache is resident; kept raw, the weights
+    would stay raw at every later sleep (their fingerprints unchanged). The
+    first sleep codes them, the KV cache's memory released beside it."""
+    driver, manager, weights = coded_weights(seed=12)
+    expected = driver.memory[weights].clone()
+    real = coded_backup._Coder
+
+    def no_room_once(*args, **kwargs):
+        monkeypatch.setattr(coded_backup, "_Coder", real)
+        raise torch.OutOfMemoryError("CUDA out of memory (the KV cache is resident)")
+
+    monkeypatch.setattr(coded_backup, "_Coder", no_room_once)
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        assert manager.back_up_ahead(("weights",)) is None
+    assert "ahead failed (the coder found no device memory)" in caplog.text
+    assert manager.host_bytes() == 0
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": SIZE}
+    pieces = manager.allocations[weights].coded.pieces
+    assert all(piece.coded is not None for piece in pieces)
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_coder_whose_first_use_found_no_memory_marks_its_backups(monkeypatch):
+    """`prepare` short of memory for its sample: the backup is raw for want of
+    memory, which a backup made ahead gives up; a broken coder is not."""
+    monkeypatch.setattr(coded_backup, "prepare", lambda device: False)
+    original = bf16_weights(SIZE // 2, seed=13).view(torch.uint8)
+    host = torch.empty_like(original)
+    (backup,) = coded_backup.back_up([[(original, host)]])
+    assert backup.short_of_memory and torch.equal(host, original)
+    monkeypatch.setattr(coded_backup, "_broken", "RuntimeError: no compiler")
+    (backup,) = coded_backup.back_up([[(original, host)]])
+    assert not backup.short_of_memory

@@ -421,3 +421,68 @@ def test_the_worker_backs_the_weights_up_once_warm_up_is_done(monkeypatch, at_st
     assert manager.last_backup().copied == {"weights": 0 if at_start else LAYER}
     manager.wake_up()
     assert bool((driver.memory[address] == 5).all())
+
+
+def test_the_backup_ahead_leaves_torchs_cache_as_vllms_warm_up_left_it(layers):
+    """vLLM's warm-up ends by running the sampler at its largest shape so that
+    those buffers stay in torch's cache; the first sleep empties it, as
+    stock's does."""
+    driver, manager, _ = layers
+    driver.cache_calls.clear()
+    manager.back_up_ahead(("weights",))
+    assert "empty" not in driver.cache_calls
+    manager.sleep(offload_tags=("weights",))
+    assert "empty" in driver.cache_calls
+
+
+def test_a_level_2_first_sleep_gives_back_the_buffers_filled_ahead(layers):
+    """A loop of level-2 sleeps never reads them: they would be pinned for
+    nothing. Once a sleep has backed the weights up, a level-2 sleep keeps
+    them, as before (the next test file's reload case)."""
+    driver, manager, addresses = layers
+    expected = contents(driver, addresses)
+    manager.back_up_ahead(("weights",))
+    manager.sleep(offload_tags=())  # level 2: the weights dropped
+    assert manager.host_bytes() == 0
+    manager.wake_up()
+    reload(driver, addresses, range(4))
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 4 * LAYER}
+    manager.wake_up()
+    check_exact(driver, addresses, expected)
+    manager.sleep(offload_tags=())
+    assert manager.host_bytes() == 4 * LAYER  # used by a sleep: kept through level 2
+
+
+def test_buffers_filled_ahead_and_used_by_a_level_1_sleep_stay_through_level_2(layers):
+    driver, manager, addresses = layers
+    expected = contents(driver, addresses)
+    manager.back_up_ahead(("weights",))
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 0}
+    manager.wake_up()
+    manager.sleep(offload_tags=())
+    assert manager.host_bytes() == 4 * LAYER
+    manager.wake_up()
+    reload(driver, addresses, range(4))
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 0}
+    manager.wake_up()
+    check_exact(driver, addresses, expected)
+
+
+def test_a_backup_ahead_whose_live_ranges_fail_does_not_stop_the_engine(
+    layers, monkeypatch, caplog
+):
+    from vllm_graph_sleep.memory.backups import Backups
+
+    driver, manager, addresses = layers
+
+    def refuse(*args):
+        raise RuntimeError("snapshot failed")
+
+    monkeypatch.setattr(Backups, "live_ranges", refuse)
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        assert manager.back_up_ahead(("weights",)) is None
+    assert "ahead failed (snapshot failed)" in caplog.text
+    assert manager.host_bytes() == 0

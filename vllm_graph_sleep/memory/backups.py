@@ -271,6 +271,7 @@ class Backups:
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock | None = None,
         beside: Callable[[], None] | None = None,
+        free_scratch: bool = True,
     ) -> BackupCount:
         """Copies `allocations` to pinned host buffers and waits for the copies;
         `live`: the ranges to copy of graph-pool segments (live_ranges).
@@ -283,6 +284,7 @@ class Backups:
         coded backup, the pieces with a changed block are coded again (with a
         table of their own counts). Returns what was copied and what was kept;
         `clock` gets a lap per phase (issue 38: where a sleep's time goes).
+        `free_scratch`: empty torch's cache after (the coder's scratch is in it).
 
         The driver makes each buffer the exact size needed, registered with
         cudaHostRegister, or from torch's pinned allocator (rounded up to a
@@ -293,7 +295,7 @@ class Backups:
         On failure no host buffer of `allocations` is trusted any more: a copy
         may have written part of it; the devices are waited for first."""
         try:
-            return self._back_up(allocations, live, clock or PhaseClock(), beside)
+            return self._back_up(allocations, live, clock or PhaseClock(), beside, free_scratch)
         except BaseException:
             # Copies already queued must not outlive the call: a later sleep that
             # drops these allocations, or shutdown, lets their buffers go (and a
@@ -310,6 +312,7 @@ class Backups:
         live: dict[int, list[tuple[int, int]]],
         clock: PhaseClock,
         beside: Callable[[], None] | None,
+        free_scratch: bool,
     ) -> BackupCount:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
@@ -405,7 +408,7 @@ class Backups:
         for device in {allocation.device for allocation in allocations}:
             self._driver.synchronize(device)
         clock.lap("copies")
-        if to_code or to_recode or now:
+        if free_scratch and (to_code or to_recode or now):
             # The coder's scratch and the fingerprints' device copy, cached by
             # torch outside our pools.
             self._driver.release_cached_memory()
@@ -414,6 +417,7 @@ class Backups:
             # One torch freed meanwhile (that release, or one on another
             # thread) is gone: the extension released it.
             allocation.has_backup = not allocation.freed
+            allocation.backed_up_ahead = False
         return count
 
     def _tensor_starts(self, allocations: list[Allocation]) -> list[list[int]]:
@@ -597,7 +601,7 @@ class Backups:
 
 
 def back_up_ahead(
-    backups: Backups, awake: list[Allocation], live: dict[int, list[tuple[int, int]]]
+    backups: Backups, awake: list[Allocation], live_ranges: Callable[[], dict]
 ) -> BackupCount | None:
     """Backs up `awake` (mapped allocations) now, as a sleep would, and leaves
     them mapped with their backups kept as a wake keeps them (host buffers,
@@ -606,24 +610,38 @@ def back_up_ahead(
     up, so that the first sleep neither pins its host buffers nor codes
     weights that did not change (issue 38; of lease 23's first sleep of the
     bench's Llama, 130 ms in the allocator, pinning took 62.8 ms and coding
-    55.3: docs/results/sleep-speed-h100.md).
+    55.3: docs/results/sleep-speed-h100.md). `live_ranges` gives the sleep's
+    `live` argument. The caller makes it only where the backups are kept
+    (keep_unchanged, and host memory not given back at each wake).
 
-    The caller makes it only where the backups are kept (keep_unchanged, and
-    host memory not given back at each wake). None where the backup fails: an
-    optimization must not stop the engine, so that is logged, the host
-    buffers are given back, and the first sleep backs everything up as before."""
+    torch's cache is left as it is: vLLM fills it at the end of its warm-up
+    (the sampler's buffers of the largest shape) so that they stay there. A
+    level-2 sleep gives these buffers back while no sleep has used them: a
+    loop of level-2 sleeps never reads them. None, with nothing kept, where
+    the coder found no device memory (the weights would stay raw: the first
+    sleep codes them, the KV cache's memory being released meanwhile), and
+    where anything fails: an optimization must not stop the engine, so that is
+    logged and the first sleep backs everything up as before."""
     what = describe(_bytes_by_tag(awake))
     clock = PhaseClock()
     try:
-        count = backups.back_up(awake, live, clock)
+        count = backups.back_up(awake, live_ranges(), clock, free_scratch=False)
+        if any(a.coded is not None and a.coded.short_of_memory for a in awake):
+            raise RuntimeError("the coder found no device memory")
     except Exception as error:  # noqa: BLE001 - whatever the backup raised
-        backups.give_back_host_buffers(awake)
+        for allocation in awake:
+            allocation.fingerprints = None
+        try:
+            backups.give_back_host_buffers(awake)
+        except Exception as also:  # noqa: BLE001 - the engine starts anyway
+            error = f"{error}; giving its host buffers back failed too: {also}"
         logger.warning(
             "graph-sleep: backing up %s ahead failed (%s); the first sleep backs it up", what, error
         )
         return None
     for allocation in awake:
         allocation.has_backup = False  # awake: a backup kept, as after a wake
+        allocation.backed_up_ahead = True
     if awake:
         logger.info(
             "graph-sleep: backed up %s ahead%s; a sleep copies only what changes from now on; %s",

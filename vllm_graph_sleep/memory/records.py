@@ -69,6 +69,9 @@ class Allocation:
     # What `host` holds, as int64 [blocks, lanes] fingerprints (memory.fingerprints)
     # of the backed-up bytes, block by block over the backup's pairs; None: unknown.
     fingerprints: torch.Tensor | None = None
+    # The host buffer was filled ahead (backups.back_up_ahead) and no sleep has
+    # backed this allocation up since: a drop gives it back.
+    backed_up_ahead: bool = False
     # The run whose mapping backs this one, while the run is alive.
     run: SharedRun | None = None
     # torch freed it (AllocationTable.on_free): the extension released it, and
@@ -104,6 +107,7 @@ class Allocation:
         self.host = None
         self.coded = None
         self.fingerprints = None
+        self.backed_up_ahead = False
 
     def backup_bytes(self) -> int:
         if self.backup_ranges is None:

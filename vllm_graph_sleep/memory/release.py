@@ -115,7 +115,9 @@ def drop(
     copied (and coded) again, into buffers already pinned. Stock vLLM holds as
     much pinned memory there: torch's pinned-memory cache keeps the blocks of
     its last level-1 sleep. VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY=1 gives the
-    buffers back at each wake, so that none is left to keep."""
+    buffers back at each wake, so that none is left to keep. A buffer filled
+    ahead at the engine's start that no sleep has used goes (a loop of
+    level-2 sleeps would hold it and never read it)."""
     result = Dropped()
     for allocation in released:
         if allocation.backup_bytes() < allocation.size:
@@ -132,6 +134,8 @@ def drop(
                 continue
             allocation.unmapped()
             allocation.has_backup = False
+            if allocation.backed_up_ahead:
+                allocation.drop_host()
         add(result.dropped, allocation.tag, allocation.size)
     return result
 
