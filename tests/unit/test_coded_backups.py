@@ -570,6 +570,7 @@ def test_a_backup_ahead_the_coder_had_no_memory_for_is_given_up(monkeypatch, cap
         assert manager.back_up_ahead(("weights",)) is None
     assert "ahead failed (the coder found no device memory)" in caplog.text
     assert manager.host_bytes() == 0
+    assert not manager.allocations[weights].has_backup  # mapped, nothing kept
     manager.sleep(offload_tags=("weights",))
     assert manager.last_backup().copied == {"weights": SIZE}
     pieces = manager.allocations[weights].coded.pieces

@@ -486,3 +486,30 @@ def test_a_backup_ahead_whose_live_ranges_fail_does_not_stop_the_engine(
         assert manager.back_up_ahead(("weights",)) is None
     assert "ahead failed (snapshot failed)" in caplog.text
     assert manager.host_bytes() == 0
+
+
+def test_a_backup_ahead_whose_buffers_cannot_be_given_back_still_lets_the_engine_start(
+    layers, monkeypatch, caplog
+):
+    from vllm_graph_sleep.memory.backups import Backups
+
+    driver, manager, addresses = layers
+    expected = contents(driver, addresses)
+    driver.fail("fingerprint")
+
+    def refuse(self, allocations):
+        raise RuntimeError("cudaHostUnregister failed: invalid argument")
+
+    monkeypatch.setattr(Backups, "give_back_host_buffers", refuse)
+    with caplog.at_level(logging.WARNING, logger="vllm.graph_sleep"):
+        assert manager.back_up_ahead(("weights",)) is None
+    assert "giving its host buffers back failed too: cudaHostUnregister failed" in caplog.text
+    for address in addresses:
+        allocation = manager.allocations[address]
+        assert allocation.mapped and not allocation.has_backup
+        assert allocation.fingerprints is None
+    monkeypatch.undo()
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 4 * LAYER}
+    manager.wake_up()
+    check_exact(driver, addresses, expected)

@@ -629,8 +629,9 @@ def back_up_ahead(
         if any(a.coded is not None and a.coded.short_of_memory for a in awake):
             raise RuntimeError("the coder found no device memory")
     except Exception as error:  # noqa: BLE001 - whatever the backup raised
-        for allocation in awake:
+        for allocation in awake:  # mapped: nothing kept, nothing to restore
             allocation.fingerprints = None
+            allocation.has_backup = False
         try:
             backups.give_back_host_buffers(awake)
         except Exception as also:  # noqa: BLE001 - the engine starts anyway
