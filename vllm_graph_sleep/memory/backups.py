@@ -16,7 +16,13 @@ import torch
 
 from vllm_graph_sleep.memory import fingerprints as blocks_of
 from vllm_graph_sleep.memory.mapping import WakeMapper
-from vllm_graph_sleep.memory.records import KV_CACHE_TAG, WEIGHTS_TAG, Allocation, add
+from vllm_graph_sleep.memory.records import (
+    KV_CACHE_TAG,
+    WEIGHTS_TAG,
+    Allocation,
+    add,
+    bytes_by_tag,
+)
 from vllm_graph_sleep.memory.report import PhaseClock, coded_note, describe
 from vllm_graph_sleep.settings import COMPRESS_BACKUPS, KEEP_UNCHANGED_BACKUPS
 from vllm_graph_sleep.units import format_bytes
@@ -622,7 +628,7 @@ def back_up_ahead(
     sleep codes them, the KV cache's memory being released meanwhile), and
     where anything fails: an optimization must not stop the engine, so that is
     logged and the first sleep backs everything up as before."""
-    what = describe(_bytes_by_tag(awake))
+    what = describe(bytes_by_tag(awake))
     clock = PhaseClock()
     try:
         count = backups.back_up(awake, live_ranges(), clock, free_scratch=False)
@@ -651,10 +657,3 @@ def back_up_ahead(
             clock.summary(),
         )
     return count
-
-
-def _bytes_by_tag(allocations: list[Allocation]) -> dict[str, int]:
-    per_tag: dict[str, int] = {}
-    for allocation in allocations:
-        add(per_tag, allocation.tag, allocation.size)
-    return per_tag

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -123,6 +123,14 @@ def add(per_tag: dict[str, int], tag: str, size: int) -> None:
     per_tag[tag] = per_tag.get(tag, 0) + size
 
 
+def bytes_by_tag(allocations: Iterable[Allocation]) -> dict[str, int]:
+    """Bytes per tag of `allocations`, whole sizes."""
+    per_tag: dict[str, int] = {}
+    for allocation in allocations:
+        add(per_tag, allocation.tag, allocation.size)
+    return per_tag
+
+
 class AllocationTable:
     """Address -> record of every allocation of ours still alive. The
     extension reports each allocation and free (`on_malloc`, `on_free`); the
@@ -212,10 +220,7 @@ class AllocationTable:
         return sum(run.stranded() for run in runs.values())
 
     def bytes_by_tag(self) -> dict[str, int]:
-        per_tag: dict[str, int] = {}
-        for allocation in self._by_address.values():
-            add(per_tag, allocation.tag, allocation.size)
-        return per_tag
+        return bytes_by_tag(self._by_address.values())
 
     def retag(self, addresses: set[int], tag: str) -> None:
         """Gives the allocations at `addresses` (those of ours) `tag`."""
