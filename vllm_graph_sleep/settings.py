@@ -231,22 +231,32 @@ WORKER_YES_NO: tuple[str, ...] = tuple(
 TEST_SUITE = "test suite"
 
 
-def whole_number_or(default: str) -> Callable[[str, str | None], int]:
+def cycles_or(default: str) -> Callable[[str, str | None], int]:
     def parse(name: str, raw: str | None) -> int:
-        return int(default if raw is None else raw)
+        value = raw.strip() if raw is not None else default
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{name}={raw!r}: expected a whole number of cycles >= 1")
+        return int(value)
 
     return parse
 
 
-def seconds_or(default: str) -> Callable[[str, str | None], float]:
+def timeout_or(default: str) -> Callable[[str, str | None], float]:
     def parse(name: str, raw: str | None) -> float:
-        return float(default if raw is None else raw)
+        try:
+            value = float(default if raw is None else raw)
+        except ValueError:
+            value = 0.0
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{name}={raw!r}: expected seconds > 0")
+        return value
 
     return parse
 
 
-def one_is_yes(name: str, raw: str | None) -> bool:
-    return raw == "1"
+def yes_or_no(name: str, raw: str | None) -> bool:
+    """A yes/no test switch: unset or empty is no; anything else as yes_no."""
+    return bool(yes_no(name, raw))
 
 
 def text(name: str, raw: str | None) -> str | None:
@@ -256,7 +266,7 @@ def text(name: str, raw: str | None) -> str | None:
 TEST_CYCLES = Switch(
     "GRAPH_SLEEP_TEST_CYCLES",
     "10",
-    whole_number_or("10"),
+    cycles_or("10"),
     "sleep/wake cycles each engine test runs",
     reader=TEST_SUITE,
     test_only=True,
@@ -264,15 +274,15 @@ TEST_CYCLES = Switch(
 TEST_VLLM_DEFAULTS = Switch(
     "GRAPH_SLEEP_TEST_VLLM_DEFAULTS",
     "0",
-    one_is_yes,
-    "1: test engines keep vLLM's defaults (memory utilization, capture sizes, lengths)",
+    yes_or_no,
+    "yes: test engines keep vLLM's defaults (memory utilization, capture sizes, lengths)",
     reader=TEST_SUITE,
     test_only=True,
 )
 TEST_TIMEOUT = Switch(
     "GRAPH_SLEEP_TEST_TIMEOUT",
     "900",
-    seconds_or("900"),
+    timeout_or("900"),
     "seconds a fresh-process test may run before it is stopped and reported",
     reader=TEST_SUITE,
     test_only=True,

@@ -83,15 +83,25 @@ def test_the_yes_no_spellings():
     )
 
 
-def test_the_test_suites_switches_read_as_before():
+def test_the_test_suites_switches_read_their_values_and_refuse_others_by_name():
     assert settings.TEST_CYCLES.read({}) == 10
-    assert settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": "3"}) == 3
-    with pytest.raises(ValueError):
-        settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": ""})
+    assert settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": " 3 "}) == 3
+    for bad in ("", "abc", "-5", "0", "2.5"):
+        with pytest.raises(ValueError, match=f"GRAPH_SLEEP_TEST_CYCLES={bad!r}: expected"):
+            settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": bad})
     assert settings.TEST_VLLM_DEFAULTS.read({}) is False
-    assert settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": "1"}) is True
-    assert settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": "yes"}) is False
+    assert settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": ""}) is False
+    for yes in settings.YES_VALUES:
+        assert settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": yes}) is True
+    for no in settings.NO_VALUES:
+        assert settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": no}) is False
+    with pytest.raises(ValueError, match="GRAPH_SLEEP_TEST_VLLM_DEFAULTS='2' is not a yes/no"):
+        settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": "2"})
     assert settings.TEST_TIMEOUT.read({}) == 900.0
+    assert settings.TEST_TIMEOUT.read({"GRAPH_SLEEP_TEST_TIMEOUT": "200"}) == 200.0
+    for bad in ("", "soon", "0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match=f"GRAPH_SLEEP_TEST_TIMEOUT={bad!r}: expected"):
+            settings.TEST_TIMEOUT.read({"GRAPH_SLEEP_TEST_TIMEOUT": bad})
     assert settings.TEST_LOG.read({}) is None and settings.TEST_EXTENSION.read({}) is None
 
 
