@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # Before vllm_graph_sleep.testing is imported: it reads VLLM_DEFAULTS at import.
+    # Before the first engine starts: testing.vllm_defaults reads it once.
     os.environ["GRAPH_SLEEP_TEST_VLLM_DEFAULTS"] = "0" if args.small else "1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
 

@@ -29,9 +29,9 @@ import torch
 
 from vllm_graph_sleep.bench.scenario import first_difference
 from vllm_graph_sleep.testing import (
-    CYCLES,
     FULL_MODE_PROMPTS,
     MODES,
+    cycles,
     greedy_tokens,
     start_engine,
 )
@@ -48,7 +48,7 @@ def main() -> int:
     parser.add_argument("--kind", default="qwen3_moe")
     parser.add_argument("--mode", choices=sorted(MODES), default="full")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="default")
-    parser.add_argument("--repeats", type=int, default=CYCLES)
+    parser.add_argument("--repeats", type=int, default=cycles())
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("mode_repeats: no CUDA or ROCm GPU visible; nothing to run", file=sys.stderr)

@@ -131,10 +131,9 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_graph_sleep.testing.models import make_model
+    from vllm_graph_sleep.testing import model_dir
 
-    cache = Path(os.environ.get("VLLM_GRAPH_SLEEP_MODEL_CACHE", "~/.cache/vllm-graph-sleep"))
-    model = args.model or str(make_model(args.kind, cache.expanduser() / args.kind))
+    model = args.model or model_dir(args.kind)
     kwargs: dict[str, Any] = dict(
         model=model,
         enable_sleep_mode=True,

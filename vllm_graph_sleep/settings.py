@@ -303,6 +303,14 @@ TEST_EXTENSION = Switch(
     reader=TEST_SUITE,
     test_only=True,
 )
+MODEL_CACHE = Switch(
+    PREFIX + "MODEL_CACHE",
+    "~/.cache/vllm-graph-sleep",
+    lambda name, raw: raw or "~/.cache/vllm-graph-sleep",
+    "where the tests and benchmarks make their local models (one folder per kind)",
+    reader=TEST_SUITE,
+    test_only=True,
+)
 #: The test suite's switches (no server reads them).
 TEST_SWITCHES: tuple[Switch, ...] = (
     TEST_CYCLES,
@@ -310,6 +318,7 @@ TEST_SWITCHES: tuple[Switch, ...] = (
     TEST_TIMEOUT,
     TEST_LOG,
     TEST_EXTENSION,
+    MODEL_CACHE,
 )
 
 #: Variables of ours that no server reads: the build's, and the tests'.

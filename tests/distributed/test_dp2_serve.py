@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.utils import cuda_only, requires_gpu
-from vllm_graph_sleep.testing import CYCLES, PROMPTS, model_dir
+from vllm_graph_sleep.testing import PROMPTS, cycles, model_dir
 
 # cuda_only: it measures both GPUs through NVML (bench.gpu.NvmlMemory).
 pytestmark = [requires_gpu, cuda_only, pytest.mark.distributed(num_gpus=2)]
@@ -50,7 +50,7 @@ def test_dp2_cycles_bit_exact_and_both_gpus_release(tmp_path: Path):
         assert probe["nccl_graph_register"] == "0"
         reference = client.complete(PROMPTS, MAX_TOKENS).token_ids
         awake = settle(memory)
-        for cycle in range(CYCLES):
+        for cycle in range(cycles()):
             level = 1 if cycle % 3 < 2 else 2
             client.sleep(level)
             assert client.is_sleeping()

@@ -14,7 +14,7 @@ import pytest
 
 from tests.utils import fresh_process, requires_gpu
 from vllm_graph_sleep.testing import (
-    CYCLES,
+    cycles,
     greedy_tokens,
     mapped,
     reports,
@@ -70,4 +70,4 @@ def test_tp2_cycles_bit_exact(custom_all_reduce, executor):
             captures = rank["custom_all_reduce_captures"]
             assert captures["copy_in"] > 0 and captures["registered"] == 0, captures
     reference = greedy_tokens(llm)
-    sleep_wake_cycles(llm, reference, CYCLES)
+    sleep_wake_cycles(llm, reference, cycles())

@@ -682,6 +682,28 @@ def test_bench_without_gpu_stops_with_one_line(tmp_path):
     assert not (tmp_path / "o").exists()  # stopped before anything was made
 
 
+def test_bench_reads_none_of_the_test_suites_switches():
+    # The bench imports testing.models; the test suite's switches are read at
+    # their first use there, so values the tests would refuse do not stop it.
+    env = {
+        **os.environ,
+        "GRAPH_SLEEP_TEST_CYCLES": "abc",
+        "GRAPH_SLEEP_TEST_VLLM_DEFAULTS": "maybe",
+        "GRAPH_SLEEP_TEST_TIMEOUT": "soon",
+    }
+    for argv in (["bench", "--help"], ["--help"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "vllm_graph_sleep.cli", *argv],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        assert "Traceback" not in result.stderr
+
+
 # -- bench: the driver loop against a fake server ---------------------------------------
 
 

@@ -37,9 +37,9 @@ def test_with_vllm_defaults_full_mode_prompts_prefill_longer_than_any_default_gr
 
 def test_only_full_mode_uses_them(monkeypatch):
     assert prompts_for("full") == FULL_MODE_PROMPTS
-    monkeypatch.setattr(testing, "VLLM_DEFAULTS", True)
+    monkeypatch.setattr(testing, "vllm_defaults", lambda: True)
     assert prompts_for("full") == FULL_MODE_LONG_PROMPTS
     for defaults in (False, True):
-        monkeypatch.setattr(testing, "VLLM_DEFAULTS", defaults)
+        monkeypatch.setattr(testing, "vllm_defaults", lambda defaults=defaults: defaults)
         for mode in ("piecewise", "full_and_piecewise", "breakable"):
             assert prompts_for(mode) == PROMPTS

@@ -6,18 +6,32 @@ testing.models) import it (tests/unit/test_runtime_imports.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from vllm_graph_sleep import settings
 
-CYCLES = settings.TEST_CYCLES.read()
-#: GRAPH_SLEEP_TEST_VLLM_DEFAULTS=1: engines keep vLLM's defaults where these
-#: tests otherwise shrink them for speed: gpu_memory_utilization (0.92 instead of
-#: 0.25), capture sizes (up to 512 instead of 1/2/4/8), max_model_len and
-#: max_num_seqs. Held-out suites, vLLM's own included, run with the defaults.
-VLLM_DEFAULTS = settings.TEST_VLLM_DEFAULTS.read()
+
+# The test suite's switches are read at their first use, not at import:
+# `vllm-graph-sleep bench` imports testing.models and reads none of them, so a
+# value it would refuse must not stop the bench.
+@functools.cache
+def cycles() -> int:
+    """The sleep/wake cycles each engine test runs (settings.TEST_CYCLES)."""
+    return settings.TEST_CYCLES.read()
+
+
+@functools.cache
+def vllm_defaults() -> bool:
+    """Whether engines keep vLLM's defaults (settings.TEST_VLLM_DEFAULTS) where
+    these tests otherwise shrink them for speed: gpu_memory_utilization (0.92 instead
+    of 0.25), capture sizes (up to 512 instead of 1/2/4/8), max_model_len and
+    max_num_seqs. Held-out suites, vLLM's own included, run with the defaults."""
+    return settings.TEST_VLLM_DEFAULTS.read()
+
+
 PROMPTS = [
     "The quick brown fox",
     "In a distant galaxy, the engineers",
@@ -58,7 +72,7 @@ MODES = {
 def model_dir(kind: str) -> str:
     from vllm_graph_sleep.testing.models import make_model
 
-    cache = Path(os.environ.get("VLLM_GRAPH_SLEEP_MODEL_CACHE", "~/.cache/vllm-graph-sleep"))
+    cache = Path(settings.MODEL_CACHE.read())
     return str(make_model(kind, cache.expanduser() / kind))
 
 
@@ -103,7 +117,7 @@ def start_engine(
             **(compilation or {}),
         },
     )
-    if VLLM_DEFAULTS:
+    if vllm_defaults():
         if mode == "full":
             kwargs["enable_prefix_caching"] = False
     else:
@@ -120,7 +134,7 @@ def start_engine(
 def prompts_for(mode: str) -> list[str]:
     if mode != "full":
         return PROMPTS
-    return FULL_MODE_LONG_PROMPTS if VLLM_DEFAULTS else FULL_MODE_PROMPTS
+    return FULL_MODE_LONG_PROMPTS if vllm_defaults() else FULL_MODE_PROMPTS
 
 
 def greedy_tokens(llm, prompts: list[str] = PROMPTS) -> list[list[int]]:

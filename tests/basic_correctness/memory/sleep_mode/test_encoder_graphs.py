@@ -14,7 +14,7 @@ import os
 
 from tests.utils import fresh_process, requires_gpu
 from vllm_graph_sleep.testing import (
-    CYCLES,
+    cycles,
     mapped,
     repeat_without_sleep,
     report,
@@ -128,6 +128,6 @@ def test_encoder_graphs_live_in_the_pool_and_tokens_survive_cycles():
         return encoded_greedy_tokens(llm, prompts)
 
     repeat_without_sleep(llm, reference, RUNS_BEFORE_SLEEP, generate=generate)
-    sleep_wake_cycles(llm, reference, CYCLES, generate=generate)
+    sleep_wake_cycles(llm, reference, cycles(), generate=generate)
     assert mapped(report(llm)) == mapped(awake)
     assert encoder_stats(llm)["graphs"] == len(ENCODER_BUDGETS)  # replayed, not recaptured

@@ -18,7 +18,7 @@ import pytest
 from tests.utils import fresh_process, requires_gpu
 from vllm_graph_sleep.allocator import POISON_GRAPH_SCRATCH_ENV, POISON_REMAPPED_ENV
 from vllm_graph_sleep.testing import (
-    CYCLES,
+    cycles,
     greedy_tokens,
     mapped,
     model_dir,
@@ -71,8 +71,8 @@ def test_graphs_live_in_the_pool_and_tokens_survive_cycles(kind, mode):
     assert runtime > 0 or (kind in V1_KINDS and mode == "piecewise")
     prompts = prompts_for(mode)
     reference = greedy_tokens(llm, prompts)
-    repeat_without_sleep(llm, reference, CYCLES, prompts)
-    sleep_wake_cycles(llm, reference, CYCLES, prompts=prompts)
+    repeat_without_sleep(llm, reference, cycles(), prompts)
+    sleep_wake_cycles(llm, reference, cycles(), prompts=prompts)
     assert mapped(report(llm)) == mapped(awake)
 
 
@@ -95,8 +95,8 @@ def test_drafter_graphs_live_in_the_pool_and_tokens_survive_cycles():
     assert awake["graph_offload_active"] and mapped(awake)["cudagraph"] > 0
     assert awake["foreign_pool_bytes"] == 0, awake["foreign_pool_bytes"]
     reference = greedy_tokens(llm)
-    repeat_without_sleep(llm, reference, CYCLES)
-    sleep_wake_cycles(llm, reference, CYCLES)
+    repeat_without_sleep(llm, reference, cycles())
+    sleep_wake_cycles(llm, reference, cycles())
     assert mapped(report(llm)) == mapped(awake)
 
 
@@ -108,8 +108,8 @@ def test_stock_full_mode_through_the_same_cycles():
     llm = start_engine("llama", "full", offload=False)
     prompts = prompts_for("full")
     reference = greedy_tokens(llm, prompts)
-    repeat_without_sleep(llm, reference, CYCLES, prompts)
-    sleep_wake_cycles(llm, reference, CYCLES, graph_offload=False, prompts=prompts)
+    repeat_without_sleep(llm, reference, cycles(), prompts)
+    sleep_wake_cycles(llm, reference, cycles(), graph_offload=False, prompts=prompts)
 
 
 @fresh_process
