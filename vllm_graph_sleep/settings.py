@@ -66,7 +66,7 @@ DEFAULT_MAX_HELD = 1024
 
 
 def seconds(name: str, raw: str | None) -> float:
-    if not raw:
+    if not raw or not raw.strip():
         return DEFAULT_ASLEEP_WAIT_S
     try:
         value = float(raw)
@@ -81,7 +81,7 @@ def seconds(name: str, raw: str | None) -> float:
 
 
 def request_count(name: str, raw: str | None) -> int:
-    if not raw:
+    if not raw or not raw.strip():
         return DEFAULT_MAX_HELD
     try:
         value = int(raw)
@@ -233,10 +233,13 @@ TEST_SUITE = "test suite"
 
 def cycles_or(default: str) -> Callable[[str, str | None], int]:
     def parse(name: str, raw: str | None) -> int:
-        value = raw.strip() if raw is not None else default
-        if not value.isdigit() or int(value) < 1:
+        try:
+            value = int((raw or "").strip() or default)
+        except ValueError:
+            value = 0
+        if value < 1:
             raise ValueError(f"{name}={raw!r}: expected a whole number of cycles >= 1")
-        return int(value)
+        return value
 
     return parse
 
@@ -244,7 +247,7 @@ def cycles_or(default: str) -> Callable[[str, str | None], int]:
 def timeout_or(default: str) -> Callable[[str, str | None], float]:
     def parse(name: str, raw: str | None) -> float:
         try:
-            value = float(default if raw is None else raw)
+            value = float((raw or "").strip() or default)
         except ValueError:
             value = 0.0
         if not 0 < value < float("inf"):
@@ -260,7 +263,7 @@ def yes_or_no(name: str, raw: str | None) -> bool:
 
 
 def text(name: str, raw: str | None) -> str | None:
-    return raw
+    return raw if raw and raw.strip() else None
 
 
 TEST_CYCLES = Switch(
@@ -306,7 +309,7 @@ TEST_EXTENSION = Switch(
 MODEL_CACHE = Switch(
     PREFIX + "MODEL_CACHE",
     "~/.cache/vllm-graph-sleep",
-    lambda name, raw: raw or "~/.cache/vllm-graph-sleep",
+    lambda name, raw: (raw or "").strip() or "~/.cache/vllm-graph-sleep",
     "where the tests and benchmarks make their local models (one folder per kind)",
     reader=TEST_SUITE,
     test_only=True,

@@ -59,9 +59,12 @@ def test_no_runtime_module_but_settings_names_a_switch():
 def test_nothing_set_gives_the_declared_defaults():
     assert settings.AllocatorSettings.from_environ({}) == settings.AllocatorSettings()
     assert settings.GateSettings.from_environ({}) == settings.GateSettings()
-    empty = {switch.name: "" for switch in settings.SWITCHES}
-    assert settings.AllocatorSettings.from_environ(empty) == settings.AllocatorSettings()
-    assert settings.GateSettings.from_environ(empty) == settings.GateSettings()
+    for blank in ("", "  "):
+        empty = {switch.name: blank for switch in settings.SWITCHES}
+        assert settings.AllocatorSettings.from_environ(empty) == settings.AllocatorSettings()
+        assert settings.GateSettings.from_environ(empty) == settings.GateSettings()
+        for switch in settings.TEST_SWITCHES:
+            assert switch.read({switch.name: blank}) == switch.read({})
 
 
 @pytest.mark.parametrize("switch", settings.SWITCHES, ids=lambda switch: switch.name)
@@ -86,7 +89,8 @@ def test_the_yes_no_spellings():
 def test_the_test_suites_switches_read_their_values_and_refuse_others_by_name():
     assert settings.TEST_CYCLES.read({}) == 10
     assert settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": " 3 "}) == 3
-    for bad in ("", "abc", "-5", "0", "2.5"):
+    assert settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": " "}) == 10  # empty: the default
+    for bad in ("abc", "-5", "0", "2.5", "\u00b2"):
         with pytest.raises(ValueError, match=f"GRAPH_SLEEP_TEST_CYCLES={bad!r}: expected"):
             settings.TEST_CYCLES.read({"GRAPH_SLEEP_TEST_CYCLES": bad})
     assert settings.TEST_VLLM_DEFAULTS.read({}) is False
@@ -99,7 +103,8 @@ def test_the_test_suites_switches_read_their_values_and_refuse_others_by_name():
         settings.TEST_VLLM_DEFAULTS.read({"GRAPH_SLEEP_TEST_VLLM_DEFAULTS": "2"})
     assert settings.TEST_TIMEOUT.read({}) == 900.0
     assert settings.TEST_TIMEOUT.read({"GRAPH_SLEEP_TEST_TIMEOUT": "200"}) == 200.0
-    for bad in ("", "soon", "0", "-1", "inf", "nan"):
+    assert settings.TEST_TIMEOUT.read({"GRAPH_SLEEP_TEST_TIMEOUT": ""}) == 900.0
+    for bad in ("soon", "0", "-1", "inf", "nan"):
         with pytest.raises(ValueError, match=f"GRAPH_SLEEP_TEST_TIMEOUT={bad!r}: expected"):
             settings.TEST_TIMEOUT.read({"GRAPH_SLEEP_TEST_TIMEOUT": bad})
     assert settings.TEST_LOG.read({}) is None and settings.TEST_EXTENSION.read({}) is None
