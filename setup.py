@@ -1,7 +1,8 @@
 """Builds vllm_graph_sleep._cumem (csrc/) with CMake, for CUDA or ROCm.
 
 The target is VLLM_GRAPH_SLEEP_TARGET (cuda|rocm) when set, otherwise ROCm
-exactly when the installed torch is a ROCm build.
+exactly when the torch this build imports is a ROCm build (an isolated build
+imports none: CUDA).
 """
 
 import os

@@ -351,11 +351,10 @@ class GraphSleepAllocator:
         self._backups.prepare_kernels(device)
 
     def back_up_ahead(self, tags: Sequence[str]) -> BackupCount | None:
-        """`memory.backups.back_up_ahead` of `tags` where it would be kept, else None."""
+        """`memory.backups.back_up_ahead` of the mapped allocations of `tags`."""
         selected = self._router.normalize(tags, "back_up_ahead")
         awake = [a for a in self.table.live() if a.mapped and a.tag in selected]
-        kept = self._backups.keep_unchanged and not self.release_host_memory
-        return back_up_ahead(self._backups, awake, self._live_ranges) if kept else None
+        return back_up_ahead(self._backups, awake, self._live_ranges, self.release_host_memory)
 
     def claim_graph_pool(self) -> None:
         """Tags everything in the graph pool "cudagraph", whatever tag was current

@@ -66,9 +66,9 @@ and drops per tag, NCCL_GRAPH_REGISTER, the custom all-reduce mode, versions.
 No GPU needed. Exit 0: works; 1: cannot work (the fix is printed); 2: vLLM
 rejects the arguments.
 
-  --platform P   detected (default): the platform of this machine, or both
-                 cuda and rocm where this machine has no GPU;
-                 cuda, rocm: plan for that platform from any machine
+  --platform P   unset: this machine's platform, or both cuda and rocm where
+                 this machine has no GPU; detected: this machine as it is,
+                 GPU or none; cuda, rocm: plan for that platform from any machine
   serve args     exactly what you would give `vllm serve` (a leading `serve` is
                  skipped), e.g. MODEL --enable-sleep-mode --sleep-mode-offload-cudagraph
 """

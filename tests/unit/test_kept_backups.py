@@ -361,10 +361,14 @@ def test_weights_changed_after_the_backup_ahead_are_copied_at_the_first_sleep(la
 @pytest.mark.parametrize(
     "switches", [{"keep_unchanged_backups": False}, {"release_host_memory": True}]
 )
-def test_no_backup_ahead_where_it_would_not_be_kept(switches):
+def test_no_backup_ahead_where_it_would_not_be_kept(switches, caplog):
     driver, manager = make(**switches)
     address = allocate(driver, manager, "weights", LAYER, value=5)
-    assert manager.back_up_ahead(("weights",)) is None
+    with caplog.at_level(logging.INFO, logger="vllm.graph_sleep"):
+        assert manager.back_up_ahead(("weights",)) is None
+    said = "RELEASE_HOST_MEMORY is on" if "release_host_memory" in switches else "is off"
+    assert "weights 4.00 MiB not backed up ahead: backups are not kept" in caplog.text
+    assert said in caplog.text
     assert manager.host_bytes() == 0
     assert driver.fingerprinted_bytes == 0
     manager.sleep(offload_tags=("weights",))

@@ -607,7 +607,10 @@ class Backups:
 
 
 def back_up_ahead(
-    backups: Backups, awake: list[Allocation], live_ranges: Callable[[], dict]
+    backups: Backups,
+    awake: list[Allocation],
+    live_ranges: Callable[[], dict],
+    release_host_memory: bool,
 ) -> BackupCount | None:
     """Backs up `awake` (mapped allocations) now, as a sleep would, and leaves
     them mapped with their backups kept as a wake keeps them (host buffers,
@@ -617,8 +620,9 @@ def back_up_ahead(
     weights that did not change (issue 38; of lease 23's first sleep of the
     bench's Llama, 130 ms in the allocator, pinning took 62.8 ms and coding
     55.3: docs/results/sleep-speed-h100.md). `live_ranges` gives the sleep's
-    `live` argument. The caller makes it only where the backups are kept
-    (keep_unchanged, and host memory not given back at each wake).
+    `live` argument. Only where backups are kept (keep_unchanged, and host
+    memory not given back at each wake: `release_host_memory` False); else
+    None, logged, with nothing done.
 
     torch's cache is left as it is: vLLM fills it at the end of its warm-up
     (the sampler's buffers of the largest shape) so that they stay there. A
@@ -629,6 +633,16 @@ def back_up_ahead(
     where anything fails: an optimization must not stop the engine, so that is
     logged and the first sleep backs everything up as before."""
     what = describe(bytes_by_tag(awake))
+    if not backups.keep_unchanged or release_host_memory:
+        logger.info(
+            "graph-sleep: %s not backed up ahead: backups are not kept (%s); the first sleep "
+            "backs it up",
+            what,
+            "VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY is on"
+            if release_host_memory
+            else "VLLM_GRAPH_SLEEP_KEEP_UNCHANGED_BACKUPS is off or Triton is missing",
+        )
+        return None
     clock = PhaseClock()
     try:
         count = backups.back_up(awake, live_ranges(), clock, free_scratch=False)
