@@ -480,6 +480,7 @@ def recode(
         histogram = [sum(column) for column in zip(*item_counts, strict=True)]
         again = CodedBackup(exponent_codec.build_table(histogram), backup.pieces)
         coder.add(again, _plans(again, pairs, number, item_counts, indices), pairs, indices)
+        backup.short_of_memory = False  # the coder had room this time
     coder.finish()
     return True
 

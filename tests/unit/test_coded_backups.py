@@ -590,3 +590,24 @@ def test_a_coder_whose_first_use_found_no_memory_marks_its_backups(monkeypatch):
     monkeypatch.setattr(coded_backup, "_broken", "RuntimeError: no compiler")
     (backup,) = coded_backup.back_up([[(original, host)]])
     assert not backup.short_of_memory
+
+
+def test_a_backup_coded_again_is_no_longer_short_of_memory(monkeypatch):
+    """A backup left raw for want of coder memory, then coded again in part
+    at a later sleep, no longer says it is short: a second backup ahead on
+    it (elastic EP warms up again) is kept, not given up."""
+    driver, manager, weights = coded_weights(seed=14)
+    real_prepare = coded_backup.prepare
+    monkeypatch.setattr(coded_backup, "prepare", lambda device: False)
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    assert manager.allocations[weights].coded.short_of_memory
+    monkeypatch.setattr(coded_backup, "prepare", real_prepare)
+    driver.memory[weights][: SIZE // 2].copy_(bf16_weights(SIZE // 4, seed=15))
+    expected = driver.memory[weights].clone()
+    assert manager.back_up_ahead(("weights",)) is not None
+    assert not manager.allocations[weights].coded.short_of_memory
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 0}  # all kept since the backup ahead
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)
