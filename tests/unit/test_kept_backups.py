@@ -517,3 +517,23 @@ def test_a_backup_ahead_whose_buffers_cannot_be_given_back_still_lets_the_engine
     assert manager.last_backup().copied == {"weights": 4 * LAYER}
     manager.wake_up()
     check_exact(driver, addresses, expected)
+
+
+def test_a_second_backup_ahead_leaves_buffers_a_sleep_used_through_level_2(layers):
+    """Elastic EP warms the engine up again, and with it the backup ahead:
+    buffers a level-1 sleep has filled are not the start's unused ones, and a
+    level-2 sleep keeps them."""
+    driver, manager, addresses = layers
+    expected = contents(driver, addresses)
+    manager.back_up_ahead(("weights",))
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    assert manager.back_up_ahead(("weights",)).copied == {"weights": 0}
+    manager.sleep(offload_tags=())
+    assert manager.host_bytes() == 4 * LAYER
+    manager.wake_up()
+    reload(driver, addresses, range(4))
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 0}
+    manager.wake_up()
+    check_exact(driver, addresses, expected)

@@ -643,6 +643,9 @@ def back_up_ahead(
             else "VLLM_GRAPH_SLEEP_KEEP_UNCHANGED_BACKUPS is off or Triton is missing",
         )
         return None
+    # Buffers a sleep has filled before stay unflagged: a second backup ahead
+    # (elastic EP warms up again) must not have a level-2 sleep give them back.
+    filled_ahead = {a.address for a in awake if a.host is None or a.backed_up_ahead}
     clock = PhaseClock()
     try:
         count = backups.back_up(awake, live_ranges(), clock, free_scratch=False)
@@ -662,7 +665,7 @@ def back_up_ahead(
         return None
     for allocation in awake:
         allocation.has_backup = False  # awake: a backup kept, as after a wake
-        allocation.backed_up_ahead = True
+        allocation.backed_up_ahead = allocation.address in filled_ahead
     if awake:
         logger.info(
             "graph-sleep: backed up %s ahead%s; a sleep copies only what changes from now on; %s",
