@@ -1,5 +1,6 @@
-"""A weight reload or transfer leaves the garbage collector's heap frozen
-again, as vLLM leaves it after warm-up, while graph offload is on; and the
+"""The warm-up leaves the worker's garbage-collector heap frozen with the
+backup made ahead (after vLLM's own freeze), and a weight reload or
+transfer leaves it frozen again, while graph offload is on; and the
 allocator's records, frozen with it, form no reference cycle that would keep
 a dropped backup alive (CPU)."""
 
@@ -73,6 +74,37 @@ def test_a_failed_reload_freezes_nothing(monkeypatch):
     with pytest.raises(ValueError, match="no such checkpoint"):
         v1_worker_gpu_worker._wrap_refreeze_gc_heap(reload)(object())
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.usefixtures("unfreeze_after")
+@pytest.mark.parametrize("active", [True, False])
+def test_the_warm_up_leaves_the_workers_heap_frozen_when_graph_offload_is_on(monkeypatch, active):
+    """vLLM's warm-up freezes the heap before the backup ahead runs, and only
+    the EngineCore process freezes again: a worker process of its own (TP >
+    1) would leave the backup's records to every sleep's collection."""
+    from tests.unit.test_allocator_bookkeeping import allocate, make
+    from vllm_graph_sleep.allocator import GraphSleepAllocator
+
+    driver, manager = make()
+    allocate(driver, manager, "weights", SIZE, value=3)
+    monkeypatch.setattr(v1_worker_gpu_worker.config, "is_active", lambda: active)
+    monkeypatch.setattr(GraphSleepAllocator, "get_instance", staticmethod(lambda: manager))
+    made = []
+
+    class Worker:
+        device = torch.device("cpu")
+
+    def warm_up(worker):
+        made.append(Node())
+        return "warmed"
+
+    wrapped = v1_worker_gpu_worker._wrap_compile_or_warm_up_model(warm_up)
+    assert wrapped(Worker()) == "warmed"
+    assert _tracked(made[0]) is not active
+    assert (gc.get_freeze_count() > 0) is active
+    if active:  # the backup ahead's records are frozen with the rest
+        (record,) = manager.allocations.values()
+        assert record.host is not None and not _tracked(record)
 
 
 def test_both_are_wrapped_on_vllms_worker():

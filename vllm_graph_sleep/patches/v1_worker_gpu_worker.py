@@ -24,7 +24,11 @@ gate is on in this worker, this patch
 - once warm-up is done, backs the weights up ahead
   (GraphSleepAllocator.back_up_ahead), so that the first sleep copies only
   what changed since instead of pinning its buffers and coding every weight
-  (VLLM_GRAPH_SLEEP_BACK_UP_AT_START=0 leaves that to the first sleep);
+  (VLLM_GRAPH_SLEEP_BACK_UP_AT_START=0 leaves that to the first sleep), and
+  then freezes the garbage collector's heap again, the backup's records
+  with it: vLLM's freeze at the end of warm-up came before them, and only
+  the EngineCore process freezes again (not a worker process of its own,
+  TP or PP > 1);
 - turns the "kv_cache" pool that initialize_from_config opens around
   initialize_kv_cache into a "runtime" pool, backed up at every level: the
   attention metadata, block tables and graph input buffers built there must
@@ -48,7 +52,7 @@ gate is on in this worker, this patch
   wake, on the still-unmapped weights;
 - freezes the garbage collector's heap again once a weight reload
   (reload_weights) or a weight transfer (finish_weight_update) is done, as
-  vLLM freezes it once warm-up is done: otherwise every later sleep's
+  it is frozen once warm-up is done: otherwise every later sleep's
   gc.collect() scans what the reload made (15,000 objects on the 8B, 4.4-6.4
   ms a sleep against 0.1-0.2 ms refrozen; leases 13 and 14 in
   docs/results/archive/sleep-speed-h100-2026-12-07.md);
@@ -228,6 +232,11 @@ def _wrap_compile_or_warm_up_model(original):
             result = original(self, *args, **kwargs)
         if allocator.settings.back_up_at_start:
             allocator.back_up_ahead((WEIGHTS_TAG,))
+        # vLLM's warm-up ends by freezing the heap, before the backup ahead
+        # made its records; the EngineCore process freezes again later, a
+        # worker process of its own (TP or PP > 1) does not, and every sleep's
+        # gc.collect() would scan them there.
+        _freeze_gc_heap()
         return result
 
     return compile_or_warm_up_model
@@ -320,13 +329,17 @@ def _wrap_wake_up(original):
     return wake_up
 
 
+def _freeze_gc_heap() -> None:
+    from vllm.utils import gc_utils
+
+    gc_utils.freeze_gc_heap()
+
+
 def _wrap_refreeze_gc_heap(original):
     def refreezing(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if config.is_active():
-            from vllm.utils import gc_utils
-
-            gc_utils.freeze_gc_heap()
+            _freeze_gc_heap()
         return result
 
     return refreezing
