@@ -331,11 +331,9 @@ def start_server(args) -> tuple[object, str, str]:
         print("http_fuzz: needs a GPU to start vllm serve (or give --base-url)", file=sys.stderr)
         raise SystemExit(2)
     from vllm_graph_sleep.bench.server import Server, free_port, serve_command, server_env
-    from vllm_graph_sleep.testing.models import make_model
+    from vllm_graph_sleep.testing import model_dir
 
-    model = args.model or str(
-        make_model("llama", Path("~/.cache/vllm-graph-sleep").expanduser() / "llama")
-    )
+    model = args.model or model_dir("llama")
     port = free_port()
     extra = ("--api-key", args.api_key)
     command = serve_command(

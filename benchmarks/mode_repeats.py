@@ -48,7 +48,7 @@ def main() -> int:
     parser.add_argument("--kind", default="qwen3_moe")
     parser.add_argument("--mode", choices=sorted(MODES), default="full")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="default")
-    parser.add_argument("--repeats", type=int, default=cycles())
+    parser.add_argument("--repeats", type=int, help="default: GRAPH_SLEEP_TEST_CYCLES")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("mode_repeats: no CUDA or ROCm GPU visible; nothing to run", file=sys.stderr)
@@ -58,7 +58,7 @@ def main() -> int:
     prompts = FULL_MODE_PROMPTS
     reference = greedy_tokens(llm, prompts)
     differing = []
-    for _ in range(args.repeats):
+    for _ in range(cycles() if args.repeats is None else args.repeats):
         tokens = greedy_tokens(llm, prompts)
         differing.append(None if tokens == reference else first_difference(tokens, reference))
     result = {"kind": args.kind, "mode": args.mode, "variant": args.variant}

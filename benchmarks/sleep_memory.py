@@ -117,10 +117,9 @@ def main() -> int:
 
     model = args.model
     if model is None:
-        from vllm_graph_sleep.testing.models import make_model
+        from vllm_graph_sleep.testing import model_dir
 
-        cache = Path("~/.cache/vllm-graph-sleep").expanduser() / args.model_kind
-        model = str(make_model(args.model_kind, cache))
+        model = model_dir(args.model_kind)
     results = []
     for name in args.configs:
         one_out = Path(args.out).with_suffix(f".{name}.part.json")

@@ -306,11 +306,19 @@ TEST_EXTENSION = Switch(
     reader=TEST_SUITE,
     test_only=True,
 )
+DEFAULT_MODEL_CACHE = "~/.cache/vllm-graph-sleep"
+
+
+def model_cache(name: str, raw: str | None) -> str:
+    return (raw or "").strip() or DEFAULT_MODEL_CACHE
+
+
 MODEL_CACHE = Switch(
     PREFIX + "MODEL_CACHE",
-    "~/.cache/vllm-graph-sleep",
-    lambda name, raw: (raw or "").strip() or "~/.cache/vllm-graph-sleep",
-    "where the tests and benchmarks make their local models (one folder per kind)",
+    DEFAULT_MODEL_CACHE,
+    model_cache,
+    "where the tests and benchmarks make their local models, one folder per kind "
+    "(vllm-graph-sleep bench: --cache-dir)",
     reader=TEST_SUITE,
     test_only=True,
 )
@@ -327,7 +335,7 @@ TEST_SWITCHES: tuple[Switch, ...] = (
 #: Variables of ours that no server reads: the build's, and the tests'.
 NOT_READ_BY_SERVERS = (
     "VLLM_GRAPH_SLEEP_TARGET",
-    "VLLM_GRAPH_SLEEP_MODEL_CACHE",
+    MODEL_CACHE.name,
     "VLLM_GRAPH_SLEEP_TEST_CHILD",
 )
 

@@ -611,3 +611,22 @@ def test_a_backup_coded_again_is_no_longer_short_of_memory(monkeypatch):
     assert manager.last_backup().copied == {"weights": 0}  # all kept since the backup ahead
     manager.wake_up()
     assert torch.equal(driver.memory[weights], expected)
+
+
+def test_a_second_backup_ahead_keeps_an_unchanged_backup_left_raw(monkeypatch):
+    """A sleep short of coder memory left the weights raw; nothing changed
+    them since, so a second backup ahead (elastic EP) codes nothing, and the
+    old backup's flag is no reason to give it and its buffer up."""
+    driver, manager, weights = coded_weights(seed=16)
+    expected = driver.memory[weights].clone()
+    real_prepare = coded_backup.prepare
+    monkeypatch.setattr(coded_backup, "prepare", lambda device: False)
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    monkeypatch.setattr(coded_backup, "prepare", real_prepare)
+    assert manager.back_up_ahead(("weights",)).copied == {"weights": 0}
+    assert manager.host_bytes() > 0
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 0}
+    manager.wake_up()
+    assert torch.equal(driver.memory[weights], expected)

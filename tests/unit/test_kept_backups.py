@@ -537,3 +537,26 @@ def test_a_second_backup_ahead_leaves_buffers_a_sleep_used_through_level_2(layer
     assert manager.last_backup().copied == {"weights": 0}
     manager.wake_up()
     check_exact(driver, addresses, expected)
+
+
+def test_a_failed_second_backup_ahead_keeps_the_buffers_a_sleep_filled(layers):
+    """Its copies may have written them: nothing is kept, and the next sleep
+    copies everything again, into the same pinned buffers."""
+    driver, manager, addresses = layers
+    expected = contents(driver, addresses)
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    driver.fail("fingerprint", after=0)
+    assert manager.back_up_ahead(("weights",)) is None
+    assert manager.host_bytes() == 4 * LAYER
+    manager.sleep(offload_tags=("weights",))
+    assert manager.last_backup().copied == {"weights": 4 * LAYER}
+    manager.wake_up()
+    check_exact(driver, addresses, expected)
+
+
+def test_nothing_to_back_up_ahead_is_none():
+    driver, manager = make()
+    allocate(driver, manager, "kv_cache", LAYER, value=1)
+    assert manager.back_up_ahead(("weights",)) is None
+    assert manager.host_bytes() == 0

@@ -7,6 +7,8 @@ import dataclasses
 import math
 from pathlib import Path
 
+from vllm_graph_sleep.settings import DEFAULT_MODEL_CACHE
+
 CONFIGS = ("ours", "stock_graphs", "stock_eager")
 #: What --configs accepts: the default three, ours with weight backups coded
 #: (the default on CUDA, opt-in on ROCm) or copied raw, whatever the default,
@@ -47,7 +49,7 @@ def made_on_the_cpu(kind: str) -> bool:
 class BenchSettings:
     model: str | None = None  # a local model directory; None: make one of model_kind
     model_kind: str = "llama"
-    cache_dir: Path = Path("~/.cache/vllm-graph-sleep")
+    cache_dir: Path = Path(DEFAULT_MODEL_CACHE)
     tp: int = 1
     cycles: int = 2
     levels: tuple[int, ...] = LEVELS

@@ -627,12 +627,15 @@ def back_up_ahead(
     torch's cache is left as it is: vLLM fills it at the end of its warm-up
     (the sampler's buffers of the largest shape) so that they stay there. A
     level-2 sleep gives these buffers back while no sleep has used them: a
-    loop of level-2 sleeps never reads them. None, with nothing kept, where
+    loop of level-2 sleeps never reads them. None where there is nothing to
+    back up; None, with nothing kept, where
     the coder found no device memory (the weights would stay raw: the first
     sleep codes them, the KV cache's memory being released meanwhile), and
     where anything fails: an optimization must not stop the engine, so that is
     logged and the first sleep backs everything up as before."""
     what = describe(bytes_by_tag(awake))
+    if not awake:
+        return None
     if not backups.keep_unchanged or release_host_memory:
         logger.info(
             "graph-sleep: %s not backed up ahead: backups are not kept (%s); the first sleep "
@@ -643,20 +646,30 @@ def back_up_ahead(
             else "VLLM_GRAPH_SLEEP_KEEP_UNCHANGED_BACKUPS is off or Triton is missing",
         )
         return None
-    # Buffers a sleep has filled before stay unflagged: a second backup ahead
-    # (elastic EP warms up again) must not have a level-2 sleep give them back.
-    filled_ahead = {a.address for a in awake if a.host is None or a.backed_up_ahead}
+    # Buffers a sleep has filled before are not this backup's own: a second
+    # backup ahead (elastic EP warms up again) neither flags them, for a
+    # level-2 sleep to give back, nor gives them back when it fails.
+    filled_ahead = [a for a in awake if a.host is None or a.backed_up_ahead]
+    own = {a.address for a in filled_ahead}
+    coded_before = {a.address: a.coded for a in awake}
     clock = PhaseClock()
     try:
         count = backups.back_up(awake, live_ranges(), clock, free_scratch=False)
-        if any(a.coded is not None and a.coded.short_of_memory for a in awake):
+        # Only a backup coded whole by this call (a new one) can say so: an
+        # earlier sleep's that nothing changed since keeps its old flag.
+        if any(
+            a.coded is not None
+            and a.coded is not coded_before[a.address]
+            and a.coded.short_of_memory
+            for a in awake
+        ):
             raise RuntimeError("the coder found no device memory")
     except Exception as error:  # noqa: BLE001 - whatever the backup raised
         for allocation in awake:  # mapped: nothing kept, nothing to restore
             allocation.fingerprints = None
             allocation.has_backup = False
         try:
-            backups.give_back_host_buffers(awake)
+            backups.give_back_host_buffers(filled_ahead)
         except Exception as also:  # noqa: BLE001 - the engine starts anyway
             error = f"{error}; giving its host buffers back failed too: {also}"
         logger.warning(
@@ -665,12 +678,11 @@ def back_up_ahead(
         return None
     for allocation in awake:
         allocation.has_backup = False  # awake: a backup kept, as after a wake
-        allocation.backed_up_ahead = allocation.address in filled_ahead
-    if awake:
-        logger.info(
-            "graph-sleep: backed up %s ahead%s; a sleep copies only what changes from now on; %s",
-            what,
-            coded_note(awake),
-            clock.summary(),
-        )
+        allocation.backed_up_ahead = allocation.address in own
+    logger.info(
+        "graph-sleep: backed up %s ahead%s; a sleep copies only what changes from now on; %s",
+        what,
+        coded_note(awake),
+        clock.summary(),
+    )
     return count

@@ -70,7 +70,7 @@ class Allocation:
     # of the backed-up bytes, block by block over the backup's pairs; None: unknown.
     fingerprints: torch.Tensor | None = None
     # The host buffer was filled ahead (backups.back_up_ahead) and no sleep has
-    # backed this allocation up since: a drop gives it back.
+    # filled it, before or since: a drop gives it back.
     backed_up_ahead: bool = False
     # The run whose mapping backs this one, while the run is alive.
     run: SharedRun | None = None
