@@ -377,6 +377,49 @@ def test_the_allocators_part_of_each_sleep_is_read_from_the_log(tmp_path):
     assert server.sleeps_in_allocator() == []
 
 
+def _ahead_line(seconds: float, who: str = "EngineCore pid=1") -> str:
+    # As the worker logs it (lease 24's bench, docs/results/h100-2026-12-07h.tar.gz).
+    return (
+        f"({who}) INFO 12-07 21:35:01 [backups.py:653] graph-sleep: backed up weights "
+        "240.00 MiB ahead (weights coded: 240.00 MiB in 158.84 MiB); a sleep copies only what "
+        f"changes from now on; {seconds:.3f} s (backup of 15 allocations: waiting for the "
+        "device 1.0 ms, host buffers 55.1 ms, coding (15 allocations whole) 31.8 ms)\n"
+    )
+
+
+def test_the_backup_at_the_engines_start_is_read_from_the_log(tmp_path):
+    from vllm_graph_sleep.bench.server import Server
+
+    log = tmp_path / "server.log"
+    server = Server("x", ["true"], {}, log)
+    assert server.backup_ahead_s() is None  # no log yet
+    log.write_text(_ahead_line(2.677, "Worker_TP0 pid=3") + _ahead_line(2.9, "Worker_TP1 pid=4"))
+    assert server.backup_ahead_s() == 2.9  # the slower rank's
+    # Switched off, failed, or stock: no such line.
+    log.write_text(
+        "(EngineCore pid=1) INFO graph-sleep: weights 240.00 MiB not backed up ahead: backups "
+        "are not kept (VLLM_GRAPH_SLEEP_RELEASE_HOST_MEMORY is on); the first sleep backs it up\n"
+        "(EngineCore pid=1) WARNING graph-sleep: backing up weights 240.00 MiB ahead failed "
+        "(boom); the first sleep backs it up\n" + _engine_line(0.2838)
+    )
+    assert server.backup_ahead_s() is None
+
+
+def test_the_table_sets_the_backup_at_start_beside_stocks_first_pinning(recorded):
+    ours = next(c for c in recorded["configs"] if c["config"] == "ours")
+    ours["backup_ahead_s"] = 0.090
+    table = report.format_table(recorded)
+    row = next(line for line in table.splitlines() if line.startswith("weights backed up at"))
+    cells = [cell.strip() for cell in row.split("  ") if cell.strip()]
+    assert cells[1] == "90" and cells[2:] == ["-", "-"]  # stock backs nothing up ahead
+    lines = table.splitlines()
+    after = lines[lines.index(row) + 1]  # stock's pinning, where the file has it; then sleeps
+    assert after.startswith(("pinning in the first sleep", "sleep L1, median"))
+    # Files recorded before carry no such figure, and show no such row.
+    ours.pop("backup_ahead_s")
+    assert "weights backed up at" not in report.format_table(recorded)
+
+
 def test_a_sleeps_time_is_split_into_the_allocators_and_the_rest():
     levels = [1, 1, 2, 2, 1, 1, 2, 2]
     steps = [{"level": lv, "sleep_s": 1.0, "wake": "full", "wake_s": 0.1} for lv in levels]

@@ -158,6 +158,7 @@ class Scenario:
             # Read once the server has stopped: every line it logged is in the file.
             record["sleeps_in_engine_s"] = self.server.sleeps_in_engine()
             record["sleeps_in_allocator_s"] = self.server.sleeps_in_allocator()
+            record["backup_ahead_s"] = self.server.backup_ahead_s()
             record["samples"] = sampler.as_dict()
             record["events"] = self.events
             record["after_stop_used_bytes"] = wait_released(

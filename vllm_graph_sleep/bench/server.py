@@ -179,6 +179,9 @@ SLEEP_LINE = re.compile(r"It took ([\d.]+) seconds to fall asleep\.")
 #: What our allocator logs at the end of each sleep, on each rank
 #: (GraphSleepAllocator.sleep): its own seconds, before the phases in brackets.
 ALLOCATOR_SLEEP_LINE = re.compile(r"graph-sleep sleep: .*; ([\d.]+) s \(")
+#: What our worker logs once it has backed the weights up at the end of the
+#: engine's start (memory.backups.back_up_ahead), on each rank: its seconds.
+BACKUP_AHEAD_LINE = re.compile(r"graph-sleep: backed up .* ahead.*; ([\d.]+) s \(")
 
 
 class Server:
@@ -271,6 +274,17 @@ class Server:
                 sleeps.append(max(ranks))
                 ranks = []
         return sleeps
+
+    def backup_ahead_s(self) -> float | None:
+        """The seconds the backup of the weights at the engine's start took
+        (the slowest rank's); None without a log or such a line (stock, or
+        VLLM_GRAPH_SLEEP_BACK_UP_AT_START=0)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        ranks = [float(seconds) for seconds in BACKUP_AHEAD_LINE.findall(text)]
+        return max(ranks) if ranks else None
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
