@@ -211,13 +211,19 @@ class Server:
                 start_new_session=True,
             )
 
+    def _log_text(self) -> str | None:
+        """The server's log so far; None while there is none to read."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+
     def startup_failure(self) -> str | None:
         """The root-cause line vLLM logs when its engine core dies during start-up,
         once it has; None before. The API server can hang on after that (seen
         with TP=2 workers stuck in teardown), so waiting for its exit is not enough."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
+        text = self._log_text()
+        if text is None:
             return None
         if ENGINE_START_FAILED not in text:
             return None
@@ -231,9 +237,8 @@ class Server:
         """vLLM's own figures for its engine core's initialization, from the log:
         {"engine_init_s", "compile_s"} (the slowest engine core where there are
         several; compile_s 0 without torch.compile); None when not logged."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
+        text = self._log_text()
+        if text is None:
             return None
         found = [
             (float(init), float(compile_s or 0))
@@ -247,9 +252,8 @@ class Server:
     def sleeps_in_engine(self) -> list[float]:
         """The seconds vLLM logged for each sleep so far, in order; empty
         without a log."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
+        text = self._log_text()
+        if text is None:
             return []
         return [float(seconds) for seconds in SLEEP_LINE.findall(text)]
 
@@ -258,9 +262,8 @@ class Server:
         (the slowest rank's, from the lines logged since the sleep before),
         in order; empty without a log or where a sleep has no line of ours
         (stock)."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
+        text = self._log_text()
+        if text is None:
             return []
         sleeps: list[float] = []
         ranks: list[float] = []
@@ -279,9 +282,8 @@ class Server:
         """The seconds the backup of the weights at the engine's start took
         (the slowest rank's); None without a log or such a line (stock, or
         VLLM_GRAPH_SLEEP_BACK_UP_AT_START=0)."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
+        text = self._log_text()
+        if text is None:
             return None
         ranks = [float(seconds) for seconds in BACKUP_AHEAD_LINE.findall(text)]
         return max(ranks) if ranks else None

@@ -633,9 +633,9 @@ def back_up_ahead(
     sleep codes them, the KV cache's memory being released meanwhile), and
     where anything fails: an optimization must not stop the engine, so that is
     logged and the first sleep backs everything up as before."""
-    what = describe(bytes_by_tag(awake))
     if not awake:
         return None
+    what = describe(bytes_by_tag(awake))
     if not backups.keep_unchanged or release_host_memory:
         logger.info(
             "graph-sleep: %s not backed up ahead: backups are not kept (%s); the first sleep "
