@@ -28,12 +28,13 @@ follow one another. So the piece is:
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from vllm_graph_sleep.triton_device import launching_on
 
 # Longest code: the decoder looks codes up in a table of 2**MAX_CODE_BITS entries.
 MAX_CODE_BITS = 12
@@ -189,11 +190,6 @@ def exponent_histogram(words: torch.Tensor, chunk: int = 1 << 25) -> list[int]:
     for part in words.split(chunk):
         counts += torch.bincount(((part >> 7) & 0xFF).to(torch.uint8), minlength=256)
     return counts.tolist()
-
-
-def _on(device: torch.device):
-    """Triton launches on the current device: make it `device`'s."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -385,7 +381,7 @@ def add_piece_histograms(words: torch.Tensor, piece_symbols: int, rows: torch.Te
         raise ValueError(f"pieces of {piece_symbols} words: not a multiple of {per_program}")
     if words.numel() == 0:
         return
-    with _on(words.device):
+    with launching_on(words.device):
         _histogram_kernel[(triton.cdiv(words.numel(), per_program),)](
             words,
             words.numel(),
@@ -403,7 +399,7 @@ def _lane_grid(lanes: int) -> tuple[int]:
 def _launch_over_lanes(kernel, words: torch.Tensor, lanes: int, *arguments) -> None:
     """Launches a kernel whose lanes step through `words`, on the current
     stream: (words, symbols, lanes, *arguments)."""
-    with _on(words.device):
+    with launching_on(words.device):
         kernel[_lane_grid(lanes)](
             words,
             words.numel(),
@@ -461,7 +457,7 @@ def encode(
     if table is None:
         table = build_table(exponent_histogram(words16))
     lanes = lanes_for(symbols)
-    with _on(data.device):
+    with launching_on(data.device):
         encoder = encoder or table.encoder_tensors(data.device)
         lane_bits = torch.empty(lanes, dtype=torch.int32, device=data.device)
         count_lanes(words16, encoder[1], lane_bits)
@@ -485,7 +481,7 @@ def _decode(encoded: Encoded, out: torch.Tensor, lookup: torch.Tensor, mismatche
     piece = encoded.piece
     if out.dtype != torch.uint8 or out.numel() != 2 * piece.symbols or not out.is_contiguous():
         raise ValueError(f"decoding needs {2 * piece.symbols} contiguous uint8 bytes")
-    with _on(out.device):
+    with launching_on(out.device):
         _decode_kernel[_lane_grid(piece.lanes)](
             encoded.stream,
             piece.total_words,
@@ -554,7 +550,7 @@ class Restorer:
         self._added = 0
         if device.type != "cuda":
             return  # the unit tests' fake devices are CPU memory: nothing to overlap
-        with _on(device):
+        with launching_on(device):
             self._compute = torch.cuda.current_stream()
             self._copier = torch.cuda.Stream()
             sizes = [
@@ -586,7 +582,7 @@ class Restorer:
             return
         slot = self._added % 2
         stream, starts, raw = self._slots[slot]
-        with _on(self._device):
+        with launching_on(self._device):
             with torch.cuda.stream(self._copier):
                 if self._added >= 2:
                     self._copier.wait_event(self._decoded[slot])

@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     "exponent_codec": 1,
     "cuda_checkpoint": 1,
     "gil_handoffs": 1,
+    "triton_device": 1,
     # 2: the facade
     "allocator": 2,
     # 3: gate, policy, backend

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from vllm_graph_sleep.memory.fingerprints import BLOCK_BYTES, LANES, WORD_BYTES, blocks
+from vllm_graph_sleep.triton_device import launching_on
 
 _STEP = 2048
 _BLOCK_WORDS = BLOCK_BYTES // WORD_BYTES
@@ -150,12 +151,13 @@ def launch(
     num_warps: int = 8,
 ) -> None:
     """Queues the kernel over `table` (block_table(ranges), on the host) into
-    `out`, on the current stream."""
+    `out`, on the current stream of `out`'s device."""
     base = _lowest(ranges)
     offsets = _offsets(table, base.data_ptr())
     if out.device.type != "cpu":
         offsets = offsets.pin_memory()
-    _launch(base, _to_device(offsets, out.device), out, step, num_warps)
+    with launching_on(out.device):
+        _launch(base, _to_device(offsets, out.device), out, step, num_warps)
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -171,8 +173,8 @@ def fingerprint(ranges: list[torch.Tensor], out: torch.Tensor) -> None:
     """Writes the fingerprints of the blocks of `ranges` (uint8, contiguous,
     each a multiple of 8 bytes starting 8-byte aligned, all on `out`'s device)
     into `out` (int64, [sum of blocks(len), LANES]), range after range,
-    queued on the current stream in one launch, over the launch table kept
-    for their layout (built where there is none)."""
+    queued on the current stream of `out`'s device in one launch, over the
+    launch table kept for their layout (built where there is none)."""
     if any(data.device != out.device for data in ranges):
         raise ValueError(f"every range must be on {out.device}, as out is")
     layout = _layout(ranges)
@@ -181,4 +183,5 @@ def fingerprint(ranges: list[torch.Tensor], out: torch.Tensor) -> None:
         raise ValueError(f"out must be int64 [{count}, {LANES}], not {out.dtype} {list(out.shape)}")
     if count:
         table = _launch_table(layout, out.device.type != "cpu")
-        _launch(_lowest(ranges), _to_device(table, out.device), out)
+        with launching_on(out.device):
+            _launch(_lowest(ranges), _to_device(table, out.device), out)
