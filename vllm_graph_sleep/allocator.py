@@ -442,16 +442,17 @@ class GraphSleepAllocator:
                 f"Nothing was released{undone}; the engine is awake, but {RESUME_HINT}."
             ) from error
 
-        early.wait_if_ahead(clock)
         try:
-            released = release_backed_up(self._driver, self._backups, to_back_up)
-        except PartialRelease as error:
-            raise SleepError(
-                f"sleep failed after releasing {error.released} of {len(to_back_up)} backed-up "
-                f"allocations: {error}. They were mapped back from their host copies"
-                f"{error.note}{early.undo(self._backups)}; the engine is awake, but {RESUME_HINT}."
-            ) from error
-        try:
+            early.wait_if_ahead(clock)
+            try:
+                released = release_backed_up(self._driver, self._backups, to_back_up)
+            except PartialRelease as error:
+                raise SleepError(
+                    f"sleep failed after releasing {error.released} of {len(to_back_up)} "
+                    f"backed-up allocations: {error}. They were mapped back from their host "
+                    f"copies{error.note}{early.undo(self._backups)}; the engine is awake, but "
+                    f"{RESUME_HINT}."
+                ) from error
             late = drop(self._driver, released, to_drop)
             clock.lap(f"release ({len(released) + len(to_drop) - len(late.failures)} allocations)")
             stack = self._stack.lower({allocation.device for allocation in self.table.live()})
@@ -459,7 +460,7 @@ class GraphSleepAllocator:
             self._driver.release_dropped_host_buffers()  # the backups replaced or dropped
             clock.lap("host buffers given back")
         finally:
-            # Whatever this thread raised, the KV cache's records are its own again.
+            # Whatever this thread raised, an interrupt too: the KV cache's thread is done.
             dropped = early.finish(clock)
         dropped.add(late)
         dropped.log_failures()

@@ -5,7 +5,9 @@ empty_cache), and the host buffers and KV cache of sleeps that stop early
 
 from __future__ import annotations
 
+import gc
 import logging
+import signal
 import threading
 import time
 
@@ -126,6 +128,136 @@ def test_an_interrupt_while_backing_up_brings_the_kv_cache_back():
     assert kv in driver.memory and weights in driver.memory
     assert manager.all_mapped_bytes() == driver.mapped_bytes() == 5 * PAGE
     assert bool((driver.read(weights) == 4).all())
+
+
+def test_an_interrupt_while_releasing_the_weights_waits_for_the_kv_cache_thread():
+    """Ctrl-C (or vLLM's SIGTERM handler) during the weights' release, while
+    the KV cache's thread is still releasing: the sleep raises only once that
+    thread is done, so that a wake after it finds the records true and maps
+    everything back (it found the KV cache still mapped, and the thread then
+    unmapped it under the woken engine)."""
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    with manager.use_memory_pool("weights"):
+        first, second = driver.malloc(PAGE), driver.malloc(PAGE)
+    driver.write(first, 5)
+    driver.write(second, 6)
+    with manager.use_memory_pool("kv_cache"):
+        kv = driver.malloc(2 * PAGE)
+    unmap = driver.unmap_and_release
+    kv_may_go = threading.Event()
+
+    def unmapping(device, size, address, handle):
+        if threading.current_thread().name == KV_THREAD:
+            kv_may_go.wait(timeout=10)
+        elif address == second:  # the KV cache's thread is still at work
+            threading.Timer(0.2, kv_may_go.set).start()
+            raise KeyboardInterrupt
+        unmap(device, size, address, handle)
+
+    driver.unmap_and_release = unmapping
+    with pytest.raises(KeyboardInterrupt):
+        manager.sleep(offload_tags=("weights",), kv_cache_cleared=True)
+    driver.unmap_and_release = unmap
+    assert not [t for t in threading.enumerate() if t.name == KV_THREAD]
+    assert kv not in driver.memory and not manager.allocations[kv].mapped
+    manager.wake_up()
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 4 * PAGE
+    assert bool((driver.read(first) == 5).all()) and bool((driver.read(second) == 6).all())
+
+
+def test_an_interrupt_while_waiting_for_the_kv_cache_thread_still_waits_for_it():
+    """SIGINT while the sleep waits for the KV cache's thread: the wait goes
+    on until the thread is done, then the interrupt is raised."""
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    with manager.use_memory_pool("weights"):
+        weights = driver.malloc(PAGE)
+    driver.write(weights, 7)
+    with manager.use_memory_pool("kv_cache"):
+        kv = driver.malloc(2 * PAGE)
+    unmap, give_back = driver.unmap_and_release, driver.release_dropped_host_buffers
+    main_released_all, interrupted_early = threading.Event(), threading.Event()
+
+    def giving_back():  # the sleep's thread's last step before it waits
+        give_back()
+        main_released_all.set()
+
+    def unmapping(device, size, address, handle):
+        if threading.current_thread().name == KV_THREAD:
+            main_released_all.wait(timeout=10)
+            time.sleep(0.2)  # the sleep's thread is waiting for this one by now
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            time.sleep(0.3)
+            interrupted_early.set()
+        unmap(device, size, address, handle)
+
+    driver.unmap_and_release, driver.release_dropped_host_buffers = unmapping, giving_back
+    with pytest.raises(KeyboardInterrupt):
+        manager.sleep(offload_tags=("weights",), kv_cache_cleared=True)
+    driver.unmap_and_release, driver.release_dropped_host_buffers = unmap, give_back
+    assert interrupted_early.is_set()  # raised only once the thread had gone on and finished
+    assert not [t for t in threading.enumerate() if t.name == KV_THREAD]
+    assert kv not in driver.memory and not manager.allocations[kv].mapped
+    manager.wake_up()
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 3 * PAGE
+    assert bool((driver.read(weights) == 7).all())
+
+
+class _CollectsOnTheKvThread(FakeVmmDriver):
+    """A garbage collection on the KV cache's thread while it holds torch's
+    frees: the collection drops a pool of ours that only a cycle kept (`kept`
+    lets go of it there), and torch frees its cached segment on that same
+    thread (on_free)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept: list = []
+        self.collected_on_kv_thread = False
+        self.automatic_collection_on_kv_thread: list[bool] = []
+
+    def unmap_and_release(self, device, size, address, handle):
+        if threading.current_thread().name == KV_THREAD:
+            self.automatic_collection_on_kv_thread.append(gc.isenabled())
+            if not self.collected_on_kv_thread:
+                self.collected_on_kv_thread = True
+                self.kept.clear()
+                gc.collect()
+        super().unmap_and_release(device, size, address, handle)
+
+
+def test_a_collection_that_frees_a_pool_of_ours_on_the_kv_cache_thread_does_not_hang_the_sleep():
+    assert gc.isenabled()
+    driver = _CollectsOnTheKvThread()
+    manager = GraphSleepAllocator(driver)
+    with manager.use_memory_pool("kv_cache"):
+        kv = driver.malloc(2 * PAGE)
+    pool = driver.memory_pool()
+    with manager.allocation_tag("weights"):  # not the KV cache's thread's to release
+        driver.route(pool)
+        cached = driver.malloc(PAGE)
+        driver.unroute(pool)
+    driver.tensor_dies(cached)  # cached in that pool until the pool goes
+    cycle: list = [pool]
+    cycle.append(cycle)
+    driver.kept.append(cycle)
+    del pool, cycle
+    sleeping = threading.Thread(
+        target=lambda: manager.sleep(offload_tags=("cudagraph",), kv_cache_cleared=True),
+        daemon=True,
+    )
+    with manager.kv_cache_released_ahead():
+        sleeping.start()
+        sleeping.join(timeout=10)
+        assert not sleeping.is_alive(), "the sleep hung: on_free waited for its own thread"
+    assert driver.collected_on_kv_thread
+    # The interpreter started no collection of its own while the thread held
+    # the frees: neither at the KV cache's release nor at the freed segment's.
+    assert driver.automatic_collection_on_kv_thread == [False, False]
+    assert gc.isenabled()
+    assert cached not in manager.allocations and cached not in driver.memory
+    assert kv not in driver.memory
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 0
 
 
 def test_a_shutdown_asleep_after_a_level_2_sleep_gives_the_kept_host_buffers_back():

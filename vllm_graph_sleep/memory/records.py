@@ -141,8 +141,10 @@ class AllocationTable:
         self._tag_now = tag_now
         self._by_address: dict[int, Allocation] = {}
         # Held by on_free, and by a thread of ours that releases records while
-        # torch may free them on another (`frees_held`).
-        self._freeing = threading.Lock()
+        # torch may free them on another (`frees_held`). Reentrant: a garbage
+        # collection inside either may drop a pool of ours that only a cycle
+        # kept, and torch then frees its cached segments on the same thread.
+        self._freeing = threading.RLock()
 
     # -- callbacks from the extension ------------------------------------
 

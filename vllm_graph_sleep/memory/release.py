@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -140,6 +141,23 @@ def drop(
     return result
 
 
+@contextlib.contextmanager
+def _no_automatic_collection() -> Iterator[None]:
+    """Inside, the interpreter starts no garbage collection of its own (an
+    explicit gc.collect() still runs). The KV cache's thread holds torch's
+    frees (`frees_held`) around each release; a collection there could free a
+    CUDA tensor, which waits for torch's allocator lock, while the sleep's
+    thread holds that lock in empty_cache and waits in on_free for the frees:
+    neither would go on. The release runs for milliseconds."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class EarlyDrop:
     """The KV cache a sleep releases on a thread of its own, when the caller
     has given up its contents (allocator.sleep's kv_cache_cleared), while the
@@ -175,6 +193,7 @@ class EarlyDrop:
         self.ahead = ahead
         self.dropped = Dropped()
         self._thread: threading.Thread | None = None
+        self._done = threading.Event()  # set by the thread as its last step
         self._error: BaseException | None = None
         self._seconds = 0.0
 
@@ -228,10 +247,13 @@ class EarlyDrop:
     def _run(self) -> None:
         start = time.perf_counter()
         try:
-            self.dropped = drop(self._driver, [], self.allocations, self._frees_held)
+            with _no_automatic_collection():
+                self.dropped = drop(self._driver, [], self.allocations, self._frees_held)
         except BaseException as error:  # raised again on the sleep's thread
             self._error = error
-        self._seconds = time.perf_counter() - start
+        finally:
+            self._seconds = time.perf_counter() - start
+            self._done.set()
 
     def finish(self, clock: PhaseClock | None = None) -> Dropped:
         """Waits for the release (a lap on `clock` names it); raises, once,
@@ -250,9 +272,20 @@ class EarlyDrop:
             self._join(clock)
 
     def _join(self, clock: PhaseClock | None) -> None:
-        thread, self._thread = self._thread, None
+        thread = self._thread
         if thread is None:
             return
+        try:
+            self._done.wait()
+        except BaseException:
+            # Interrupted (Ctrl-C, vLLM's SIGTERM handler): the release goes on
+            # all the same, and whoever reads these records next (a wake)
+            # must find it done. Not Thread.join, which an interrupt can leave
+            # marking a running thread stopped (CPython's fix for bpo-45274).
+            self._done.wait()
+            raise
+        finally:
+            self._thread = None
         thread.join()
         if clock is not None:
             count = len(self.allocations) - len(self.dropped.failures)
