@@ -391,3 +391,33 @@ def test_shutdown_lets_go_of_the_buffers_kept_for_a_next_sleep():
     assert len(runtime.registered) == 1
     manager.wake_up()  # a backup stays until its allocation is woken or freed
     assert bool((driver.read(asleep) == 4).all())
+
+
+@pytest.mark.parametrize("failing", ["fingerprint", "host_buffer"])
+def test_a_failed_backup_ahead_unpins_the_buffers_it_made_before_it_returns(failing):
+    """The fingerprints fail once every buffer is made, or pinning the third
+    one fails (host memory short): the buffers made are unregistered before
+    back_up_ahead returns, not at the first sleep (a server that never sleeps
+    would hold them pinned). The failure's traceback holds views of them."""
+    runtime = FakeRuntime()
+    driver = FakeVmmDriver()
+    make, made = registered_buffers(runtime).make, []
+
+    def host_buffer(size: int) -> torch.Tensor:
+        if failing == "host_buffer" and len(made) == 2:
+            raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+        made.append(size)
+        return make(size)
+
+    driver.host_buffer = host_buffer
+    driver.release_dropped_host_buffers = _native.release_dropped_host_buffers
+    manager = GraphSleepAllocator(driver)
+    for seed in range(4):
+        with manager.allocation_tag("weights"):
+            driver.write(driver.malloc(PAGE), seed + 1)
+    if failing == "fingerprint":
+        driver.fail("fingerprint")
+    assert manager.back_up_ahead(("weights",)) is None
+    assert made and manager.host_bytes() == 0
+    assert runtime.registered == {}
+    assert len(runtime.unregistered()) == len(made)

@@ -653,6 +653,7 @@ def back_up_ahead(
     own = {a.address for a in filled_ahead}
     coded_before = {a.address: a.coded for a in awake}
     clock = PhaseClock()
+    failure = None
     try:
         count = backups.back_up(awake, live_ranges(), clock, free_scratch=False)
         # Only a backup coded whole by this call (a new one) can say so: an
@@ -665,15 +666,21 @@ def back_up_ahead(
         ):
             raise RuntimeError("the coder found no device memory")
     except Exception as error:  # noqa: BLE001 - whatever the backup raised
+        # Its message only: the traceback's frames hold views of the new host
+        # buffers, which stay pinned until the last view goes.
+        failure = str(error)
+    if failure is not None:
         for allocation in awake:  # mapped: nothing kept, nothing to restore
             allocation.fingerprints = None
             allocation.has_backup = False
         try:
             backups.give_back_host_buffers(filled_ahead)
         except Exception as also:  # noqa: BLE001 - the engine starts anyway
-            error = f"{error}; giving its host buffers back failed too: {also}"
+            failure = f"{failure}; giving its host buffers back failed too: {also}"
         logger.warning(
-            "graph-sleep: backing up %s ahead failed (%s); the first sleep backs it up", what, error
+            "graph-sleep: backing up %s ahead failed (%s); the first sleep backs it up",
+            what,
+            failure,
         )
         return None
     for allocation in awake:
