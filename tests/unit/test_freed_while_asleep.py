@@ -130,6 +130,42 @@ def test_an_interrupt_while_backing_up_brings_the_kv_cache_back():
     assert bool((driver.read(weights) == 4).all())
 
 
+class _Bug(BaseException):
+    """What no driver raises: the KV cache's thread's own failure."""
+
+
+def test_a_failed_backup_maps_the_kv_cache_back_before_raising_what_its_thread_raised():
+    driver = FakeVmmDriver()
+    manager = GraphSleepAllocator(driver)
+    with manager.use_memory_pool("weights"):
+        weights = driver.malloc(PAGE)
+    driver.write(weights, 3)
+    with manager.use_memory_pool("kv_cache"):
+        first_kv, second_kv = driver.malloc(2 * PAGE), driver.malloc(2 * PAGE)
+    synchronize, unmap = driver.synchronize, driver.unmap_and_release
+    thread_failed = threading.Event()
+
+    def unmapping(device, size, address, handle):
+        if address == second_kv:
+            thread_failed.set()
+            raise _Bug("the KV cache's thread broke")
+        unmap(device, size, address, handle)
+
+    def failing(device):  # the backup fails once the thread has failed
+        if threading.current_thread().name == "MainThread" and thread_failed.wait(timeout=1):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        synchronize(device)
+
+    driver.unmap_and_release, driver.synchronize = unmapping, failing
+    with pytest.raises(_Bug):
+        manager.sleep(offload_tags=("weights",), kv_cache_cleared=True)
+    driver.unmap_and_release, driver.synchronize = unmap, synchronize
+    assert first_kv in driver.memory and manager.allocations[first_kv].mapped
+    assert second_kv in driver.memory and weights in driver.memory
+    assert manager.all_mapped_bytes() == driver.mapped_bytes() == 5 * PAGE
+    assert bool((driver.read(weights) == 3).all())
+
+
 def test_an_interrupt_while_releasing_the_weights_waits_for_the_kv_cache_thread():
     """Ctrl-C (or vLLM's SIGTERM handler) during the weights' release, while
     the KV cache's thread is still releasing: the sleep raises only once that

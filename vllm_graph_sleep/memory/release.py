@@ -296,13 +296,15 @@ class EarlyDrop:
             )
 
     def undo(self, backups: Backups) -> str:
-        """Maps back what the thread released; says so, for the sleep's error."""
-        self.finish()
+        """Maps back what the thread released; says so, for the sleep's error.
+        What the thread raised (`finish`) is raised once that is done."""
+        self._join(None)
         # Not those torch freed meanwhile: my_free deleted them (drop's frees_held).
         emptied = [a for a in self.allocations if not a.mapped and not a.freed]
+        note = backups.restore_after_failed_sleep(emptied, []) if emptied else ""
+        self.finish()
         if not emptied:
             return ""
-        note = backups.restore_after_failed_sleep(emptied, [])
         size = format_bytes(sum(allocation.size for allocation in emptied))
         return (
             f" (but the {KV_CACHE_TAG}, {size} released on its thread, came back "
