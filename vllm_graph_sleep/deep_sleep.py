@@ -231,7 +231,13 @@ class DeepSleep:
         """(GPU, device bytes) `pid` holds, as NVML reports it; DeepSleepRefused
         where a restore's room could not be known. Asked before the sleep too,
         so that a refusal comes before anything is done."""
-        used = self._memory.process_bytes(pid)
+        try:
+            used = self._memory.process_bytes(pid)
+        except Exception as error:
+            raise DeepSleepRefused(
+                f"NVML could not say how much GPU memory pid {pid} holds ({error}): the room a "
+                "restore needs cannot be known, so nothing is checkpointed"
+            ) from error
         if not used:
             raise DeepSleepRefused(
                 f"NVML lists no GPU memory of pid {pid} (is NVML's pid namespace another "
@@ -330,7 +336,15 @@ class DeepSleep:
             if target is None:
                 return 0.0
             need = target.held + self._headroom
-            free = self._memory.free_bytes(target.device)
+            try:
+                free = self._memory.free_bytes(target.device)
+            except Exception as error:
+                raise DeepWakeError(
+                    f"NVML could not say how much memory is free on GPU {target.device} "
+                    f"({error}): no restore was started. The engine stays asleep and "
+                    "checkpointed; wake it again.",
+                    checkpointed=True,
+                ) from error
             if free < need:
                 raise DeepWakeError(
                     f"the engine's checkpoint needs {format_bytes(need)} free on GPU "

@@ -50,6 +50,7 @@ from vllm_graph_sleep.deep_sleep import (
 from vllm_graph_sleep.request_gate import (
     ENGINE_SLEPT,
     INFERENCE_PATHS,
+    SLEEP_NOT_FORWARDED,
     SLEEP_PATH,
     WAKE_UP_PATH,
     sleep_level,
@@ -161,6 +162,9 @@ class DeepSleepEndpoints:
                     await self.app(scope, receive, send)
             return
         if deep:
+            # An answer before vLLM's sleep is asked (a refusal, a wait given
+            # up, an error) leaves the engine as it was, whatever its status.
+            scope[SLEEP_NOT_FORWARDED] = True
             async with self._transition:
                 if self.checkpointed:
                     await self._refuse_while_checkpointed(scope, receive, send)
@@ -230,6 +234,7 @@ class DeepSleepEndpoints:
             await _error(409, f"deep sleep refused: {why}")(scope, receive, send)
             return
         serve_deep_sleep(state.engine_client, self._controller)
+        scope[SLEEP_NOT_FORWARDED] = False
         inner = _Buffered()
         await self.app(scope, receive, inner.send)
         if inner.status != 200:

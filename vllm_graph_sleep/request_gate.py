@@ -52,7 +52,9 @@ sleeps (after a level-1 sleep, or a wake of the weights alone), discards
 nothing and holds nothing (executor_sleep says when). A middleware inside the
 gate that answers a /sleep itself after vLLM's sleep ran (deep sleep, whose
 checkpoint can fail after the sleep succeeded) says in the scope whether the
-sleep succeeded (ENGINE_SLEPT): the gate goes by that, not by its answer.
+sleep succeeded (ENGINE_SLEPT): the gate goes by that, not by its answer; and
+one that answers before passing the sleep on (SLEEP_NOT_FORWARDED) changed
+nothing, whatever its status.
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ WAKE_UP_PATH = "/wake_up"
 #: Scope key: whether vLLM's sleep succeeded, set by a middleware inside the
 #: gate whose answer to a /sleep is not vLLM's own (deep_sleep_http).
 ENGINE_SLEPT = "vllm_graph_sleep.engine_slept"
+#: Scope key, set (true) by such a middleware while it has not passed the
+#: /sleep on to vLLM: an answer then (a refusal, an error) changed nothing.
+SLEEP_NOT_FORWARDED = "vllm_graph_sleep.sleep_not_forwarded"
 PAUSE_PATH = "/pause"  # dev/rlhf router
 #: Requests that put the engine to sleep or pause it.
 SLEEP_PATHS = (SLEEP_PATH, PAUSE_PATH)
@@ -509,6 +514,8 @@ class AsleepGate:
                 self._sleep_answered(scope, params, status)
 
     def _sleep_answered(self, scope: Scope, params: QueryParams, status: _Status) -> None:
+        if scope.get(SLEEP_NOT_FORWARDED):
+            return
         slept = scope.get(ENGINE_SLEPT, status.succeeded())
         level = sleep_level(params) or 0
         discarded = self.executor.sleep_answered(level, slept, status.status)

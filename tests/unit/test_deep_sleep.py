@@ -703,6 +703,69 @@ def test_a_deep_sleep_behind_a_post_that_never_ends_answers_503_and_the_wake_sti
     assert ("sleep", 1, "abort") not in engine.calls and engine_pid not in lib.states
 
 
+def test_a_level_2_deep_sleep_that_gave_up_waiting_leaves_inference_served(engine_pid, monkeypatch):
+    """Its 503 says the engine is as it was: the gate must not count the
+    weights as discarded (it held every inference request until a reload of
+    weights the engine never lost, then refused them)."""
+    import asyncio
+
+    from vllm_graph_sleep import deep_sleep_http
+
+    monkeypatch.setattr(deep_sleep_http, "OTHERS_WAIT_S", 0.2)
+
+    async def slow_reset(self):
+        await asyncio.sleep(0.6)
+
+    async def scenario(post, client):
+        reset, sleep = await asyncio.gather(
+            post("/reset_prefix_cache"), post("/sleep?level=2&checkpoint=1", delay=0.05)
+        )
+        return reset, sleep, await post("/v1/completions")
+
+    monkeypatch.setattr(EngineServing, "reset_prefix_cache", slow_reset, raising=False)
+    (reset, sleep, answer), engine, _ = serve_async(engine_pid, monkeypatch, scenario, wait_s="0.5")
+    assert sleep.status_code == 503, sleep.text
+    assert not engine.sleeping and not engine.weights_lost
+    assert answer.status_code == 200, answer.text
+
+
+def test_nvml_failing_before_a_level_2_deep_sleep_is_a_409_and_inference_goes_on(
+    engine_pid, monkeypatch
+):
+    def lost(self, pid):
+        raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+    async def scenario(post, client):
+        return await post("/sleep?level=2&checkpoint=1"), await post("/v1/completions")
+
+    monkeypatch.setattr(FakeMemory, "process_bytes", lost)
+    (sleep, answer), engine, lib = serve_async(engine_pid, monkeypatch, scenario, wait_s="0.5")
+    assert sleep.status_code == 409, sleep.text
+    assert "NVML could not say" in sleep.json()["error"]
+    assert "NVML_ERROR_GPU_IS_LOST" in sleep.json()["error"]
+    assert not engine.sleeping and engine_pid not in lib.states
+    assert answer.status_code == 200, answer.text
+
+
+def test_nvml_failing_at_the_wake_is_a_503_and_the_engine_stays_checkpointed(
+    engine_pid, monkeypatch
+):
+    client, engine, deep, lib = http(engine_pid, monkeypatch)
+    assert client.post("/sleep?level=1&checkpoint=1").status_code == 200
+
+    def lost(device):
+        raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+    deep._memory.free_bytes = lost
+    response = client.post("/wake_up")
+    assert response.status_code == 503 and response.headers["Retry-After"]
+    assert "stays asleep and checkpointed" in response.json()["error"]
+    assert lib.states[engine_pid] == "checkpointed"
+    del deep._memory.free_bytes
+    assert client.post("/wake_up").status_code == 200
+    assert lib.states[engine_pid] == "running"
+
+
 def test_a_second_deep_sleep_during_the_first_gets_409(engine_pid, monkeypatch):
     import asyncio
 
