@@ -934,3 +934,29 @@ def test_doctor_says_when_deep_sleep_is_not_available(monkeypatch):
     old = classmethod(lambda cls: CheckpointDriver(FakeLibcuda(without=CHECKPOINT_CALLS)))
     monkeypatch.setattr(CheckpointDriver, "load", old)
     assert "driver 570" in doctor.deep_sleep_state(args, cuda, {})
+
+
+def test_a_zero_wait_lets_a_request_to_an_awake_engine_through_while_a_question_is_in_flight(
+    engine_pid, monkeypatch
+):
+    """The request gate with VLLM_GRAPH_SLEEP_ASLEEP_WAIT_S=0 (served here by
+    this file's harness): a request that comes while the engine's answer to an
+    earlier request's question is on its way waits for a question asked after
+    it, which starts a poll interval after the one in flight. Its bound was
+    one poll interval, shorter than that plus the answer: it was refused."""
+    import asyncio
+
+    async def slow_is_sleeping(self):
+        self.calls.append(("is_sleeping",))
+        await asyncio.sleep(0.03)
+        return self.sleeping
+
+    async def scenario(post, client):
+        await post("/sleep?level=1")
+        await post("/wake_up")  # awake from here on
+        return await asyncio.gather(post("/v1/completions"), post("/v1/completions", delay=0.01))
+
+    monkeypatch.setattr(EngineServing, "is_sleeping", slow_is_sleeping)
+    (first, second), engine, _ = serve_async(engine_pid, monkeypatch, scenario, wait_s="0")
+    assert first.status_code == 200, first.text
+    assert second.status_code == 200, second.text
