@@ -281,14 +281,16 @@ class FakeVmmDriver:
 
     def torch_segments(self) -> list[tuple[int, int, int]]:
         """(address, stream, bytes in use) of torch's segments: ours, then torch's own."""
+        # From a copy, as torch's snapshot is one: the KV cache's thread may
+        # release segments meanwhile.
         ours = [
-            (address, self.segment_streams.get(address, 0), self._in_use(address))
-            for address in self.memory
+            (address, self.segment_streams.get(address, 0), self._in_use(address, tensor))
+            for address, tensor in list(self.memory.items())
         ]
         return ours + list(self.outside_segments)
 
-    def _in_use(self, address: int) -> int:
-        return 0 if address in self.cached else self.memory[address].numel()
+    def _in_use(self, address: int, tensor: torch.Tensor) -> int:
+        return 0 if address in self.cached else tensor.numel()
 
     def _workspace(self, kind: str, size: int) -> None:
         """What torch does the first time a stream needs this workspace: take it
@@ -511,7 +513,7 @@ class FakeVmmDriver:
     # -- helpers for tests ---------------------------------------------------
 
     def mapped_bytes(self) -> int:
-        return sum(t.numel() for t in self.memory.values())
+        return sum(t.numel() for t in list(self.memory.values()))
 
     def stranded_bytes(self) -> int:
         """What live runs hold for members not in use (unmapped or freed)."""
