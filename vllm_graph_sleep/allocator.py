@@ -150,6 +150,16 @@ def _release_cached_memory(driver: DeviceDriver, clock: PhaseClock) -> None:
     clock.lap("torch's cache")
 
 
+def _failed_release(error: PartialRelease, count: int, undone: str) -> SleepError:
+    """The error of a sleep whose release of its `count` backed-up allocations
+    failed (`undone`: what mapping the KV cache back says)."""
+    return SleepError(
+        f"sleep failed after releasing {error.released} of {count} backed-up allocations: "
+        f"{error}. They were mapped back from their host copies{error.note}{undone}; the "
+        f"engine is awake, but {RESUME_HINT}."
+    )
+
+
 class GraphSleepAllocator:
     """Process-wide owner of all sleep-mode memory (see module docstring)."""
 
@@ -447,12 +457,7 @@ class GraphSleepAllocator:
             try:
                 released = release_backed_up(self._driver, self._backups, to_back_up)
             except PartialRelease as error:
-                raise SleepError(
-                    f"sleep failed after releasing {error.released} of {len(to_back_up)} "
-                    f"backed-up allocations: {error}. They were mapped back from their host "
-                    f"copies{error.note}{early.undo(self._backups)}; the engine is awake, but "
-                    f"{RESUME_HINT}."
-                ) from error
+                raise _failed_release(error, len(to_back_up), early.undo(self._backups)) from error
             late = drop(self._driver, released, to_drop)
             clock.lap(f"release ({len(released) + len(to_drop) - len(late.failures)} allocations)")
             stack = self._stack.lower({allocation.device for allocation in self.table.live()})
@@ -521,9 +526,11 @@ class GraphSleepAllocator:
         mapped: list[Allocation] = []
         try:
             restored, fresh = self._backups.map_and_restore(targets, mapped, clock)
-        except Exception as error:
+        except BaseException as error:  # an interrupt too: a retry must find the records true
             self._backups.roll_back(mapped)
             self._stack.lower(lowered)  # asleep again
+            if not isinstance(error, Exception):
+                raise
             wanted_bytes = sum(a.size for a in targets)
             raise WakeUpError(
                 f"wake_up(tags={tags}) failed after mapping {len(mapped)} of {len(targets)} "

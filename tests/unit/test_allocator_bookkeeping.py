@@ -176,6 +176,62 @@ def test_failing_wake_rolls_back_and_can_be_retried():
     assert bool((driver.read(graph) == 3).all())
 
 
+def _fail_first_restore(monkeypatch, error):
+    """The wake's first restore of a backup raises `error`, once the memory
+    is mapped and before its copies are queued."""
+    from vllm_graph_sleep.memory.backups import Backups
+
+    pairs, calls = Backups.pairs, []
+
+    def failing(self, allocation):
+        calls.append(allocation.address)
+        if len(calls) == 1:
+            raise error
+        return pairs(self, allocation)
+
+    monkeypatch.setattr(Backups, "pairs", failing)
+
+
+def test_an_interrupted_wake_is_rolled_back_and_a_retry_restores_the_weights(monkeypatch):
+    """Ctrl-C in a wake (an in-process engine): what it mapped goes back to
+    sleep with its backup, so that a retry restores it; it stayed mapped and
+    recorded awake, and the retry had nothing to wake and left stale bytes."""
+    driver, manager = make()
+    first = allocate(driver, manager, "weights", value=1)
+    second = allocate(driver, manager, "weights", value=2)
+    manager.sleep(offload_tags=("weights",))
+    _fail_first_restore(monkeypatch, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        manager.wake_up()
+    assert driver.mapped_bytes() == manager.mapped_bytes() == 0
+    manager.wake_up()
+    assert bool((driver.read(first) == 1).all()) and bool((driver.read(second) == 2).all())
+
+
+def test_a_wake_rolled_back_around_memory_it_cannot_unmap_copies_its_backup_into_it(monkeypatch):
+    """The restore fails (out of memory for the coded restore's staging),
+    then the rollback cannot unmap the allocation it mapped first: that one
+    stays awake, and must hold its backup (the retry passes it over, and the
+    next sleep would copy what it held over the backup)."""
+    import torch
+
+    driver, manager = make()
+    first = allocate(driver, manager, "weights", value=1)
+    second = allocate(driver, manager, "weights", value=2)
+    manager.sleep(offload_tags=("weights",))
+    _fail_first_restore(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"))
+    stuck = manager.table.to_wake(None)[0].address
+    driver.fail("unmap_and_release", address=stuck)
+    with pytest.raises(WakeUpError):
+        manager.wake_up()
+    assert manager.allocations[stuck].mapped and not manager.allocations[stuck].has_backup
+    manager.wake_up()
+    assert bool((driver.read(first) == 1).all()) and bool((driver.read(second) == 2).all())
+    manager.sleep(offload_tags=("weights",))
+    manager.wake_up()
+    assert bool((driver.read(first) == 1).all()) and bool((driver.read(second) == 2).all())
+
+
 def test_a_wake_that_fails_after_queuing_copies_waits_for_them_before_unmapping(monkeypatch):
     driver, manager = make()
     allocate(driver, manager, "cudagraph", 2 * MIB, value=3)

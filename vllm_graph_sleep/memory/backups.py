@@ -196,6 +196,25 @@ def _read_fingerprints(queued: _Queued) -> dict[int, torch.Tensor]:
     return result
 
 
+def _copy_back_in_place(backups: Backups, stuck: list[Allocation]) -> None:
+    """Copies their backups into `stuck`, mapped allocations a failed wake's
+    rollback could not unmap: awake from now on (a retried wake passes them
+    over, the next sleep backs them up), they must hold their backups, not
+    what the failed wake left there."""
+    if not stuck:
+        return
+    try:
+        backups.restore(stuck, stuck)
+    except Exception:
+        logger.exception(
+            "graph-sleep: rollback could not copy back %d allocations it could not unmap "
+            "either: what they hold is not certain",
+            len(stuck),
+        )
+    for allocation in stuck:
+        allocation.has_backup = False
+
+
 class Backups:
     def __init__(
         self,
@@ -570,6 +589,7 @@ class Backups:
         # registered host buffers, out of host memory that nothing else keeps
         # from being unmapped); a device too broken to wait for is unmapped anyway.
         self.wait_for_devices(mapped, "rollback")
+        stuck: list[Allocation] = []
         for allocation in reversed(mapped):
             if not allocation.mapped:
                 continue
@@ -578,11 +598,12 @@ class Backups:
                 allocation.unmapped()
             except Exception:
                 logger.exception(
-                    "graph-sleep: rollback could not unmap %#x (%s); it stays mapped",
+                    "graph-sleep: rollback could not unmap %#x (%s); it stays mapped, awake",
                     allocation.address,
                     format_bytes(allocation.size),
                 )
-                allocation.has_backup = False
+                stuck.append(allocation)
+        _copy_back_in_place(self, stuck)
 
     def give_back_host_buffers(self, allocations: Iterable[Allocation]) -> None:
         """Lets go of the host buffers among `allocations` that hold no backup
