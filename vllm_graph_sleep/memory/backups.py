@@ -196,23 +196,24 @@ def _read_fingerprints(queued: _Queued) -> dict[int, torch.Tensor]:
     return result
 
 
-def _copy_back_in_place(backups: Backups, stuck: list[Allocation]) -> None:
-    """Copies their backups into `stuck`, mapped allocations a failed wake's
-    rollback could not unmap: awake from now on (a retried wake passes them
-    over, the next sleep backs them up), they must hold their backups, not
-    what the failed wake left there."""
-    if not stuck:
-        return
+def _copy_back(backups: Backups, mapped: list[Allocation], when: str) -> Exception | None:
+    """Copies their backups into `mapped` (mapped allocations, awake from then
+    on: `has_backup` False); the error, logged, where the copies failed (what
+    the device holds there is then not certain)."""
     try:
-        backups.restore(stuck, stuck)
-    except Exception:
+        backups.restore(mapped, mapped)
+    except Exception as error:
         logger.exception(
-            "graph-sleep: rollback could not copy back %d allocations it could not unmap "
-            "either: what they hold is not certain",
-            len(stuck),
+            "graph-sleep: copying %d allocations back from their host copies %s failed: what "
+            "they hold is not certain",
+            len(mapped),
+            when,
         )
-    for allocation in stuck:
-        allocation.has_backup = False
+        return error
+    finally:
+        for allocation in mapped:
+            allocation.has_backup = False
+    return None
 
 
 class Backups:
@@ -566,20 +567,18 @@ class Backups:
                 )
                 continue
             restored.append(allocation)
-        note = ""
         try:
-            self.restore(restored, restored)
-        except Exception as error:
-            logger.exception("graph-sleep: copying back after a failed sleep failed")
-            note = (
-                f"; copying {len(restored)} allocations back from their host copies failed "
-                f"({error}), so what the device holds there is not certain"
-            )
+            error = _copy_back(self, restored, "after a failed sleep")
         finally:
             for allocation in backed_up:
                 if allocation.mapped:
                     allocation.has_backup = False
-        return note
+        if error is None:
+            return ""
+        return (
+            f"; copying {len(restored)} allocations back from their host copies failed "
+            f"({error}), so what the device holds there is not certain"
+        )
 
     def roll_back(self, mapped: list[Allocation]) -> None:
         """Unmaps what a failed wake mapped; their backups stay. One torch
@@ -603,7 +602,9 @@ class Backups:
                     format_bytes(allocation.size),
                 )
                 stuck.append(allocation)
-        _copy_back_in_place(self, stuck)
+        # Awake from now on (a retried wake passes them over, the next sleep
+        # backs them up): they must hold their backups, not what the wake left.
+        _copy_back(self, stuck, "into what a failed wake's rollback could not unmap")
 
     def give_back_host_buffers(self, allocations: Iterable[Allocation]) -> None:
         """Lets go of the host buffers among `allocations` that hold no backup
