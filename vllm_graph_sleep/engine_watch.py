@@ -64,6 +64,13 @@ class EngineWatch:
         finally:
             self._interest(engine, -1)
 
+    def one_question_s(self) -> float:
+        """How long a waiter gives the engine to answer one question asked
+        after it came: that question starts within a poll interval (another
+        may be in flight) and gets one more for its answer; an engine slower
+        than that counts as asleep."""
+        return 2 * self.poll_s
+
     def watch(self, engine: Any) -> None:
         """Keeps the engine asked (asleep_since) until unwatch."""
         self._interest(engine, +1)

@@ -447,10 +447,8 @@ class AsleepGate:
         """Waits, within the bound, until the engine is awake with its weights;
         None then, else why the request is refused."""
         # Even a zero bound, or a full gate, gives the engine one question to
-        # say it is awake: one asked after this request came starts within a
-        # poll interval (another may be in flight), and gets one more for its
-        # answer; an engine slower than that counts as asleep.
-        soon = time.monotonic() + 2 * self.watch.poll_s
+        # say it is awake.
+        soon = time.monotonic() + self.watch.one_question_s()
         if self.held >= self.max_held:
             if await self.watch.until_awake(engine, soon) and not self.weights_missing:
                 return None
