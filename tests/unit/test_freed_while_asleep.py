@@ -99,14 +99,23 @@ def test_a_sleep_that_would_keep_the_kv_cache_cannot_take_a_release_started_ahea
     assert kv in driver.memory and manager.all_mapped_bytes() == PAGE
 
 
-def test_an_interrupt_while_backing_up_brings_the_kv_cache_back():
+def _weights_and_kv_cache(values: list[int], kv_pages: list[int]):
+    """An allocator on the fake driver with a weight of a page per value in
+    `values`, written with it, and a KV cache allocation per entry of
+    `kv_pages`, of that many pages: (driver, manager, weights, kv_cache)."""
     driver = FakeVmmDriver()
     manager = GraphSleepAllocator(driver)
     with manager.use_memory_pool("weights"):
-        weights = driver.malloc(PAGE)
-    driver.write(weights, 4)
+        weights = [driver.malloc(PAGE) for _ in values]
+    for address, value in zip(weights, values, strict=True):
+        driver.write(address, value)
     with manager.use_memory_pool("kv_cache"):
-        kv = driver.malloc(4 * PAGE)
+        kv_cache = [driver.malloc(pages * PAGE) for pages in kv_pages]
+    return driver, manager, weights, kv_cache
+
+
+def test_an_interrupt_while_backing_up_brings_the_kv_cache_back():
+    driver, manager, (weights,), (kv,) = _weights_and_kv_cache([4], [4])
     synchronize, unmap = driver.synchronize, driver.unmap_and_release
     kv_released = threading.Event()
 
@@ -135,13 +144,7 @@ class _Bug(BaseException):
 
 
 def test_a_failed_backup_maps_the_kv_cache_back_before_raising_what_its_thread_raised():
-    driver = FakeVmmDriver()
-    manager = GraphSleepAllocator(driver)
-    with manager.use_memory_pool("weights"):
-        weights = driver.malloc(PAGE)
-    driver.write(weights, 3)
-    with manager.use_memory_pool("kv_cache"):
-        first_kv, second_kv = driver.malloc(2 * PAGE), driver.malloc(2 * PAGE)
+    driver, manager, (weights,), (first_kv, second_kv) = _weights_and_kv_cache([3], [2, 2])
     synchronize, unmap = driver.synchronize, driver.unmap_and_release
     thread_failed = threading.Event()
 
@@ -172,14 +175,7 @@ def test_an_interrupt_while_releasing_the_weights_waits_for_the_kv_cache_thread(
     thread is done, so that a wake after it finds the records true and maps
     everything back (it found the KV cache still mapped, and the thread then
     unmapped it under the woken engine)."""
-    driver = FakeVmmDriver()
-    manager = GraphSleepAllocator(driver)
-    with manager.use_memory_pool("weights"):
-        first, second = driver.malloc(PAGE), driver.malloc(PAGE)
-    driver.write(first, 5)
-    driver.write(second, 6)
-    with manager.use_memory_pool("kv_cache"):
-        kv = driver.malloc(2 * PAGE)
+    driver, manager, (first, second), (kv,) = _weights_and_kv_cache([5, 6], [2])
     unmap = driver.unmap_and_release
     kv_may_go = threading.Event()
 
@@ -205,13 +201,7 @@ def test_an_interrupt_while_releasing_the_weights_waits_for_the_kv_cache_thread(
 def test_an_interrupt_while_waiting_for_the_kv_cache_thread_still_waits_for_it():
     """SIGINT while the sleep waits for the KV cache's thread: the wait goes
     on until the thread is done, then the interrupt is raised."""
-    driver = FakeVmmDriver()
-    manager = GraphSleepAllocator(driver)
-    with manager.use_memory_pool("weights"):
-        weights = driver.malloc(PAGE)
-    driver.write(weights, 7)
-    with manager.use_memory_pool("kv_cache"):
-        kv = driver.malloc(2 * PAGE)
+    driver, manager, (weights,), (kv,) = _weights_and_kv_cache([7], [2])
     unmap, give_back = driver.unmap_and_release, driver.release_dropped_host_buffers
     main_released_all, interrupted_early = threading.Event(), threading.Event()
 
